@@ -1,0 +1,30 @@
+"""megatron_fp4: MXFP4 dispatch for Megatron-Core MoE layers on Hopper GPUs.
+
+Formats and numerics: DESIGN.md §3-§4. `megatron_fp4.reference` defines every operation in plain
+PyTorch; the Triton kernels below compute the same bytes.
+"""
+
+from . import reference
+from .kernels import (
+    dequantize_fp8,
+    dequantize_mxfp4,
+    mxfp4_to_fp8_cols,
+    mxfp4_to_fp8_rows,
+    quantize_fp8_rows,
+    quantize_mxfp4,
+)
+from .tensors import COLWISE, ROWWISE, FP8BlockTensor, MXFP4Tensor
+
+__all__ = [
+    "COLWISE",
+    "ROWWISE",
+    "FP8BlockTensor",
+    "MXFP4Tensor",
+    "dequantize_fp8",
+    "dequantize_mxfp4",
+    "mxfp4_to_fp8_cols",
+    "mxfp4_to_fp8_rows",
+    "quantize_fp8_rows",
+    "quantize_mxfp4",
+    "reference",
+]

@@ -1,0 +1,42 @@
+"""Format constants for MXFP4 (OCP MX, E2M1 elements + E8M0 block scales) and FP8 1x128.
+
+DESIGN.md section 3 is normative; this module names its numbers once so that the reference,
+the kernels and the tests cannot drift apart.
+"""
+
+import torch
+
+# MXFP4: 32 consecutive elements along the last dimension share one E8M0 scale byte.
+MXFP4_BLOCK = 32
+E2M1_MAX = 6.0
+# Magnitudes of the 3-bit E2M1 codes 0..7; bit 3 of a 4-bit code is the sign.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_SIGN_BIT = 0x8
+
+E8M0_BIAS = 127
+E8M0_MAX_FINITE = 254  # largest byte a finite block may get
+E8M0_NAN = 255  # a block holding NaN or Inf; dequantizes to NaN
+
+# FP8 side: E4M3 (torch.float8_e4m3fn) with one power-of-two fp32 scale per 1x128 block.
+FP8_BLOCK = 128
+E4M3_MAX = 448.0
+E4M3_NAN_BYTE = 0x7F
+# Four MXFP4 blocks make one FP8 group; the largest E2M1 magnitude (6) times 2^6 is 384 < 448.
+FP4_TO_FP8_HEADROOM_LOG2 = 6
+# A gap d between a block's scale byte and its group's largest one is exact while d <= 14.
+FP4_TO_FP8_EXACT_MAX_GAP = 14
+
+SCALE_RULES = ("ceil", "floor")
+
+# Input dtypes the quantizers accept.
+FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def mxfp4_wire_bytes_per_row(hidden: int) -> int:
+    """Bytes of one token on the wire: packed E2M1 data followed by its E8M0 scales."""
+    return hidden // 2 + hidden // MXFP4_BLOCK
+
+
+def check_scale_rule(scale_rule: str) -> None:
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")

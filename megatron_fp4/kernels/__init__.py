@@ -1,0 +1,18 @@
+"""Triton kernels, one file per operation, each behind a validating Python entry point."""
+
+from ._checks import TileConfig
+from .fp8_dequantize import dequantize_fp8
+from .fp8_quantize import quantize_fp8_rows
+from .mxfp4_dequantize import dequantize_mxfp4
+from .mxfp4_quantize import quantize_mxfp4
+from .mxfp4_to_fp8 import mxfp4_to_fp8_cols, mxfp4_to_fp8_rows
+
+__all__ = [
+    "TileConfig",
+    "dequantize_fp8",
+    "dequantize_mxfp4",
+    "mxfp4_to_fp8_cols",
+    "mxfp4_to_fp8_rows",
+    "quantize_fp8_rows",
+    "quantize_mxfp4",
+]

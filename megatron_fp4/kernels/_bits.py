@@ -1,0 +1,109 @@
+"""Bit-level Triton helpers shared by the kernels.
+
+Every rounding step is done on integers so that the compiled kernels and the CPU interpreter
+(TRITON_INTERPRET=1) give the same bytes, whatever either does with float8 casts.
+"""
+
+import triton
+import triton.language as tl
+
+# Input element kinds: 16-bit floats travel as int32 pairs, fp32 as int64 pairs.
+KIND_BF16 = tl.constexpr(0)
+KIND_FP16 = tl.constexpr(1)
+KIND_FP32 = tl.constexpr(2)
+
+
+@triton.jit
+def unpack_float_pair(word, KIND: tl.constexpr):
+    """One int32 (two 16-bit floats) or int64 (two fp32) -> the two elements as fp32 bit patterns
+    (int32), element 2j first. bf16 -> fp32 is a 16-bit shift; fp16 goes through a real convert."""
+    if KIND == 0:
+        lo = word << 16
+        hi = word & -65536  # 0xFFFF0000
+    elif KIND == 1:
+        lo = (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+        hi = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+    else:
+        lo = (word & 0xFFFFFFFF).to(tl.int32)
+        hi = (word >> 32).to(tl.int32)
+    return lo, hi
+
+
+@triton.jit
+def rne_shift_right(value, shift):
+    """value >> shift rounded to nearest, ties to even (value >= 0, shift >= 1, int32)."""
+    shift = tl.minimum(shift, 30)
+    kept = value >> shift
+    rest = value & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    round_up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
+    return kept + round_up.to(tl.int32)
+
+
+@triton.jit
+def e2m1_to_e4m3(code, gap):
+    """E4M3 byte of E2M1 code (0..15) times 2^(6 - gap), gap >= 0; exact while gap <= 14,
+    round-to-nearest-even into E4M3 subnormals beyond. Zero stays zero (keeping its sign)."""
+    magnitude = code & 7
+    sign = (code & 8) << 4
+    # For magnitude >= 1 the value is sig * 2^(exponent - 8) with sig in {2, 3}.
+    exponent = (magnitude >> 1) + 12 - gap
+    mantissa = tl.where(magnitude >= 2, (magnitude & 1) << 2, 0)
+    normal = (exponent << 3) | mantissa
+    sig = tl.where(magnitude >= 2, 2 + (magnitude & 1), 2)
+    # Subnormal E4M3 counts units of 2^-9: sig * 2^(exponent + 1).
+    subnormal = tl.where(
+        exponent >= -1,
+        sig << tl.maximum(exponent + 1, 0),
+        rne_shift_right(sig, tl.maximum(-exponent - 1, 1)),
+    )
+    byte = tl.where(exponent >= 1, normal, subnormal)
+    return tl.where(magnitude == 0, 0, byte) | sign
+
+
+@triton.jit
+def fp32_bits_to_e4m3(bits):
+    """E4M3 byte (round to nearest even) of a finite fp32 given as int32 bits, |value| <= 448."""
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    biased = magnitude >> 23
+    mantissa = magnitude & 0x7FFFFF
+    # Normal E4M3: exponent = biased - 120 >= 1; keep 3 of 23 mantissa bits (the carry may
+    # bump the exponent, which is the right result).
+    kept = ((biased - 120) << 3) | (mantissa >> 20)
+    rest = mantissa & 0xFFFFF
+    round_up = (rest > 0x80000) | ((rest == 0x80000) & ((kept & 1) == 1))
+    normal = kept + round_up.to(tl.int32)
+    # Subnormal E4M3 counts units of 2^-9: the 24-bit significand shifted right by 141 - biased.
+    significand = mantissa | tl.where(biased > 0, 0x800000, 0)
+    subnormal = rne_shift_right(significand, tl.maximum(141 - biased, 1))
+    return tl.where(biased >= 121, normal, subnormal) | sign
+
+
+@triton.jit
+def e4m3_to_fp32(byte):
+    """fp32 value of an E4M3 byte (int32 0..255); 0x7F / 0xFF are NaN."""
+    exponent = (byte >> 3) & 0xF
+    mantissa = byte & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # 2^-9
+    value = tl.where(exponent == 0, subnormal, normal)
+    value = tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
+    # OR the sign bit in: negation may be lowered as 0 - x, which loses the sign of zero.
+    return (value.to(tl.int32, bitcast=True) | ((byte & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp32_to_bf16_bits(value):
+    """bf16 bit pattern (int32 0..65535) of an fp32 value, round to nearest even; NaN -> 0x7FC0."""
+    bits = value.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return tl.where(value != value, 0x7FC0, rounded)
+
+
+@triton.jit
+def pow2_fp32(log2_value):
+    """2^log2_value as fp32 for int32 log2_value in [-149, 127], built from bits (subnormals too)."""
+    normal = ((log2_value + 127) << 23).to(tl.float32, bitcast=True)
+    subnormal = (1 << tl.minimum(tl.maximum(log2_value + 149, 0), 22)).to(tl.float32, bitcast=True)
+    return tl.where(log2_value >= -126, normal, subnormal)

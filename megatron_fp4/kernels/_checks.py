@@ -1,0 +1,61 @@
+"""Input validation shared by the kernel entry points: one clear sentence per refusal."""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import FLOAT_INPUT_DTYPES
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of a kernel: rows per program, blocks (of the kernel's own unit) per
+    program along the last dimension, and warps per program."""
+
+    block_rows: int
+    block_cols: int
+    num_warps: int
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_kernel_device(name: str, t: torch.Tensor) -> None:
+    if t.is_cuda:
+        return
+    if t.device.type == "cpu" and interpreter_enabled():
+        return
+    raise RuntimeError(
+        f"{name}: the Triton kernels need a CUDA tensor, got one on {t.device} "
+        "(set TRITON_INTERPRET=1 to run them on the CPU, or use megatron_fp4.reference)"
+    )
+
+
+def check_float_matrix(name: str, x: torch.Tensor, multiple_of: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_INPUT_DTYPES:
+        raise TypeError(f"{name}: input dtype must be one of {FLOAT_INPUT_DTYPES}, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: input must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    if x.shape[1] == 0 or x.shape[1] % multiple_of:
+        raise ValueError(f"{name}: hidden size {x.shape[1]} must be a positive multiple of {multiple_of}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: input must be contiguous (call .contiguous() first)")
+    check_kernel_device(name, x)
+
+
+def check_hidden_multiple(name: str, hidden: int, multiple_of: int) -> None:
+    if hidden % multiple_of:
+        raise ValueError(f"{name}: hidden size {hidden} must be a multiple of {multiple_of}")
+
+
+def pair_view(x: torch.Tensor) -> torch.Tensor:
+    """View a contiguous float matrix as one integer per two elements (see unpack_float_pair)."""
+    return x.view(torch.int64 if x.element_size() == 4 else torch.int32)
+
+
+def float_kind(dtype: torch.dtype) -> int:
+    return {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[dtype]

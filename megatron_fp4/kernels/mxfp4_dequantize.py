@@ -1,0 +1,78 @@
+"""MXFP4 wire rows -> BF16 [T, H], one pass: each packed byte becomes one int32 holding two bf16."""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..tensors import MXFP4Tensor
+from ._bits import fp32_to_bf16_bits
+from ._checks import TileConfig, check_kernel_device
+
+DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=16, num_warps=4)
+
+
+@triton.jit
+def _e2m1_times_scale_bf16(code, scale, is_nan):
+    """bf16 bits of E2M1 code * scale (fp32); the product has two significant bits, so it is
+    exact in bf16 unless it overflows."""
+    magnitude = code & 7
+    mag_bits = tl.where(
+        magnitude >= 2,
+        (((magnitude >> 1) + 126) << 23) | ((magnitude & 1) << 22),
+        tl.where(magnitude == 1, 0x3F000000, 0),
+    )
+    value = mag_bits.to(tl.float32, bitcast=True) * scale
+    value = tl.where(is_nan, float("nan"), value)
+    bits = fp32_to_bf16_bits(value)
+    return bits | ((code & 8) << 12)
+
+
+@triton.jit
+def _dequantize_mxfp4_kernel(
+    rows_ptr,
+    out_pairs_ptr,
+    num_rows,
+    in_row_stride,
+    BLOCKS_PER_ROW: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    block = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    byte_in_block = tl.arange(0, 16)
+    row2 = row[:, None].to(tl.int64)
+    block_mask = (row[:, None] < num_rows) & (block[None, :] < BLOCKS_PER_ROW)
+    in_row = rows_ptr + row2 * in_row_stride
+    column = block[None, :, None] * 16 + byte_in_block[None, None, :]
+    packed = tl.load(in_row[:, :, None] + column, mask=block_mask[:, :, None], other=0).to(tl.int32)
+    scale_byte = tl.load(in_row + BLOCKS_PER_ROW * 16 + block[None, :], mask=block_mask, other=0).to(tl.int32)
+    # 2^(byte - 127); byte 0 is the subnormal 2^-127.
+    scale = tl.where(scale_byte == 0, 0x00400000, scale_byte << 23).to(tl.float32, bitcast=True)[:, :, None]
+    is_nan = (scale_byte == 255)[:, :, None]
+    lo = _e2m1_times_scale_bf16(packed & 0xF, scale, is_nan)
+    hi = _e2m1_times_scale_bf16(packed >> 4, scale, is_nan)
+    out_offsets = row2[:, :, None] * (BLOCKS_PER_ROW * 16) + column
+    tl.store(out_pairs_ptr + out_offsets, lo | (hi << 16), mask=block_mask[:, :, None])
+
+
+def dequantize_mxfp4(q: MXFP4Tensor, config: TileConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """MXFP4 -> BF16 [T, H]. NaN blocks give NaN."""
+    if not isinstance(q, MXFP4Tensor):
+        raise TypeError(f"dequantize_mxfp4: expected an MXFP4Tensor, got {type(q).__name__}")
+    check_kernel_device("dequantize_mxfp4", q.rows)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    if q.num_tokens == 0:
+        return out
+    blocks_per_row = q.hidden // 32
+    grid = (triton.cdiv(q.num_tokens, config.block_rows), triton.cdiv(blocks_per_row, config.block_cols))
+    _dequantize_mxfp4_kernel[grid](
+        q.rows,
+        out.view(torch.int32),
+        q.num_tokens,
+        q.rows.stride(0),
+        BLOCKS_PER_ROW=blocks_per_row,
+        BLOCK_ROWS=config.block_rows,
+        BLOCK_COLS=config.block_cols,
+        num_warps=config.num_warps,
+    )
+    return out

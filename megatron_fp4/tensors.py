@@ -1,0 +1,125 @@
+"""Containers for the two quantized layouts. Plain data holders: no autograd, no kernels.
+
+MXFP4Tensor keeps one token per row in the wire format of DESIGN §3 (H/2 bytes of packed E2M1
+data, then H/32 E8M0 scale bytes), so the same buffer can go through the all-to-all unchanged.
+
+FP8BlockTensor keeps E4M3 data [rows, cols] with one power-of-two fp32 scale per 1x128 block
+along cols. The scales are stored transposed, [cols/128, rows] contiguous, because that is the
+layout torch.nn.functional.scaled_mm takes for BlockWise1x128 operands on SM90.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .formats import FP8_BLOCK, MXFP4_BLOCK, check_scale_rule, mxfp4_wire_bytes_per_row
+
+
+@dataclass(frozen=True)
+class MXFP4Tensor:
+    """A [tokens, hidden] tensor in MXFP4, blocks of 32 along hidden.
+
+    rows: uint8 [tokens, hidden/2 + hidden/32]; element 2j in the low nibble of byte j,
+          element 2j+1 in the high nibble; then one E8M0 byte per block of 32.
+    """
+
+    rows: torch.Tensor
+    hidden: int
+    scale_rule: str = "ceil"
+
+    def __post_init__(self):
+        check_scale_rule(self.scale_rule)
+        if self.hidden <= 0 or self.hidden % MXFP4_BLOCK:
+            raise ValueError(f"hidden must be a positive multiple of {MXFP4_BLOCK}, got {self.hidden}")
+        if self.rows.dtype != torch.uint8 or self.rows.dim() != 2:
+            raise ValueError(f"rows must be a 2-D uint8 tensor, got {self.rows.dtype} {tuple(self.rows.shape)}")
+        if self.rows.shape[1] != mxfp4_wire_bytes_per_row(self.hidden):
+            raise ValueError(
+                f"rows has {self.rows.shape[1]} bytes per token; hidden {self.hidden} needs "
+                f"{mxfp4_wire_bytes_per_row(self.hidden)} (hidden/2 data + hidden/32 scales)"
+            )
+        if self.rows.stride(1) != 1:
+            raise ValueError("rows must be contiguous along its last dimension")
+
+    @classmethod
+    def empty(cls, num_tokens: int, hidden: int, device, scale_rule: str = "ceil") -> "MXFP4Tensor":
+        rows = torch.empty(num_tokens, mxfp4_wire_bytes_per_row(hidden), dtype=torch.uint8, device=device)
+        return cls(rows, hidden, scale_rule)
+
+    @classmethod
+    def from_parts(cls, data: torch.Tensor, scales: torch.Tensor, scale_rule: str = "ceil") -> "MXFP4Tensor":
+        """Pack separate data [T, H/2] and scales [T, H/32] into the wire layout (one copy)."""
+        if data.dim() != 2 or scales.dim() != 2 or data.shape[0] != scales.shape[0]:
+            raise ValueError(f"data {tuple(data.shape)} and scales {tuple(scales.shape)} do not match")
+        hidden = data.shape[1] * 2
+        return cls(torch.cat([data, scales], dim=1).contiguous(), hidden, scale_rule)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_tokens, self.hidden))
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    @property
+    def data(self) -> torch.Tensor:
+        """uint8 [T, H/2] packed E2M1 codes (a strided view into rows)."""
+        return self.rows[:, : self.hidden // 2]
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """uint8 [T, H/32] E8M0 scale bytes (a strided view into rows)."""
+        return self.rows[:, self.hidden // 2 :]
+
+
+ROWWISE = "rowwise"  # [tokens, hidden], blocks along hidden: the fprop / dgrad operand
+COLWISE = "colwise"  # [hidden, padded tokens], blocks along tokens: the wgrad operand
+
+
+@dataclass(frozen=True)
+class FP8BlockTensor:
+    """E4M3 data [rows, cols] with one power-of-two fp32 scale per 1x128 block along cols.
+
+    block_scales: fp32 [cols/128, rows] contiguous; scaled_mm_scales() is its transpose, shape
+                  (rows, cols/128) with strides (1, rows), as scaled_mm BlockWise1x128 expects.
+    layout: ROWWISE for a [tokens, hidden] operand, COLWISE for the transposed [hidden, tokens]
+            operand built per expert segment.
+    segment_offsets: COLWISE only: int64 [experts + 1] on the data's device; expert e owns
+                  columns [offsets[e], offsets[e+1]), each a multiple of 128 (zero-filled past
+                  the expert's last token). Columns past offsets[-1] are zero padding.
+    """
+
+    data: torch.Tensor
+    block_scales: torch.Tensor
+    layout: str = ROWWISE
+    segment_offsets: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.layout not in (ROWWISE, COLWISE):
+            raise ValueError(f"layout must be {ROWWISE!r} or {COLWISE!r}, got {self.layout!r}")
+        if self.data.dtype != torch.float8_e4m3fn or self.data.dim() != 2:
+            raise ValueError(f"data must be 2-D float8_e4m3fn, got {self.data.dtype} {tuple(self.data.shape)}")
+        rows, cols = self.data.shape
+        if cols % FP8_BLOCK:
+            raise ValueError(f"cols must be a multiple of {FP8_BLOCK}, got {cols}")
+        if self.block_scales.dtype != torch.float32 or tuple(self.block_scales.shape) != (cols // FP8_BLOCK, rows):
+            raise ValueError(
+                f"block_scales must be fp32 [{cols // FP8_BLOCK}, {rows}], got "
+                f"{self.block_scales.dtype} {tuple(self.block_scales.shape)}"
+            )
+        if (self.segment_offsets is not None) != (self.layout == COLWISE):
+            raise ValueError("segment_offsets is required for the colwise layout and only there")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def scaled_mm_scales(self) -> torch.Tensor:
+        """The scales as torch.nn.functional.scaled_mm takes them: (rows, cols/128), strides (1, rows)."""
+        return self.block_scales.t()

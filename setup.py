@@ -1,0 +1,15 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_fp4",
+    version="0.1.0",
+    description="MXFP4 token dispatch for Mixture-of-Experts training with Megatron-Core on Hopper GPUs",
+    packages=find_packages(include=["megatron_fp4", "megatron_fp4.*"]),
+    python_requires=">=3.12",
+    install_requires=["torch>=2.11", "triton>=3.6", "megatron-core>=0.17", "pyyaml"],
+    extras_require={
+        "test": ["pytest>=8", "numpy"],
+        # Transformer Engine's PyTorch part builds from source against CUDA; optional.
+        "te": ["transformer-engine[pytorch]"],
+    },
+)
