@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Benchmark the MXFP4 / FP8 kernels on a CUDA GPU against the copy ceiling and torch.compile.
+
+For each size and kernel: median time (triton.testing.do_bench, which flushes L2 before every
+call), effective GB/s counting every input read once and every output written once, that as a
+share of a device-to-device copy measured in this process, and the speedup over the reference
+implementation (plain torch ops) compiled with torch.compile. Inputs are random, never zeros,
+and rotate among enough buffers to exceed L2 several times over.
+
+    python scripts/bench_kernels.py                 # the full table
+    python scripts/bench_kernels.py --sweep         # also try tile configs at 16384 x 7168
+"""
+
+import argparse
+import itertools
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import triton
+import triton.testing
+
+import megatron_fp4 as mf
+from megatron_fp4 import reference as ref
+from megatron_fp4.formats import FP8_BLOCK, mxfp4_wire_bytes_per_row
+from megatron_fp4.kernels import TileConfig
+
+ROTATE_BYTES = 1 << 30  # inputs rotate over at least 1 GiB (H200 L2: 60 MB)
+SIZES = [(4096, 7168), (16384, 7168), (65536, 7168), (4096, 2048), (16384, 2048), (65536, 2048)]
+EXPERTS = 32
+BARS = {"quantize_mxfp4": 85, "dequantize_mxfp4": 85, "mxfp4_to_fp8_rows": 85, "mxfp4_to_fp8_cols": 70,
+        "mxfp4_to_fp8_cols_ragged": 65}
+
+
+@dataclass
+class Case:
+    """One kernel at one size: how to build an input, run it, and count its bytes."""
+
+    name: str
+    make_input: Callable[[torch.Tensor], object]  # from a random bf16 [T, H]
+    run: Callable[[object, Optional[TileConfig]], object]
+    baseline: Callable[[object], object]
+    bytes_moved: Callable[[int, int], int]
+
+
+def ragged_counts(tokens: int, experts: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(experts, generator=g)
+    weights[torch.randperm(experts, generator=g)[: experts // 4]] = 0  # a quarter empty
+    counts = torch.floor(weights / weights.sum() * tokens).long()
+    counts[int(torch.argmax(weights))] += tokens - int(counts.sum())
+    return counts
+
+
+def uniform_counts(tokens: int, experts: int) -> torch.Tensor:
+    counts = torch.full((experts,), tokens // experts, dtype=torch.long)
+    counts[-1] += tokens - int(counts.sum())
+    return counts
+
+
+def compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+def build_cases(tokens: int, hidden: int) -> List[Case]:
+    wire = mxfp4_wire_bytes_per_row(hidden)
+    capacity = ref.colwise_capacity(tokens, EXPERTS)
+    ragged = ragged_counts(tokens, EXPERTS, seed=tokens + hidden)
+    uniform = uniform_counts(tokens, EXPERTS)
+    quantize_ref = compiled(ref.quantize_mxfp4)
+    dequantize_ref = compiled(ref.dequantize_mxfp4)
+    rows_ref = compiled(ref.mxfp4_to_fp8_rows)
+    fp8_ref = compiled(ref.quantize_fp8_rows)
+    fp8_dequant_ref = compiled(ref.dequantize_fp8)
+    cols_ref = compiled(ref.mxfp4_to_fp8_cols)
+
+    def cols_case(name, counts):
+        counts_dev = counts.cuda()
+        return Case(
+            name,
+            lambda x: mf.quantize_mxfp4(x),
+            lambda q, cfg: mf.mxfp4_to_fp8_cols(q, counts_dev, **_cfg(cfg)),
+            lambda q: cols_ref(q, counts.tolist()),
+            lambda t, h: t * wire + h * capacity + (capacity // FP8_BLOCK) * h * 4,
+        )
+
+    return [
+        Case("quantize_mxfp4", lambda x: x, lambda x, cfg: mf.quantize_mxfp4(x, **_cfg(cfg)), quantize_ref,
+             lambda t, h: t * h * 2 + t * wire),
+        Case("dequantize_mxfp4", lambda x: mf.quantize_mxfp4(x), lambda q, cfg: mf.dequantize_mxfp4(q, **_cfg(cfg)),
+             dequantize_ref, lambda t, h: t * wire + t * h * 2),
+        Case("mxfp4_to_fp8_rows", lambda x: mf.quantize_mxfp4(x),
+             lambda q, cfg: mf.mxfp4_to_fp8_rows(q, **_cfg(cfg)), rows_ref,
+             lambda t, h: t * wire + t * h + t * (h // FP8_BLOCK) * 4),
+        cols_case("mxfp4_to_fp8_cols", uniform),
+        cols_case("mxfp4_to_fp8_cols_ragged", ragged),
+        Case("quantize_fp8_rows", lambda x: x, lambda x, cfg: mf.quantize_fp8_rows(x, **_cfg(cfg)), fp8_ref,
+             lambda t, h: t * h * 2 + t * h + t * (h // FP8_BLOCK) * 4),
+        Case("dequantize_fp8", lambda x: mf.quantize_fp8_rows(x), lambda t8, cfg: mf.dequantize_fp8(t8, **_cfg(cfg)),
+             fp8_dequant_ref, lambda t, h: t * h + t * (h // FP8_BLOCK) * 4 + t * h * 2),
+    ]
+
+
+def _cfg(cfg: Optional[TileConfig]) -> Dict[str, TileConfig]:
+    return {} if cfg is None else {"config": cfg}
+
+
+def rotating_inputs(case: Case, tokens: int, hidden: int, gen: torch.Generator) -> list:
+    count = max(2, -(-ROTATE_BYTES // (tokens * hidden * 2)))
+    count = min(count, 8)
+    inputs = []
+    for _ in range(count):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.float32, generator=gen)
+        x = (x * torch.exp2(torch.randint(-8, 8, (tokens, hidden), device="cuda", generator=gen).float())).bfloat16()
+        inputs.append(case.make_input(x))
+        del x
+    return inputs
+
+
+def median_ms(fn, inputs) -> float:
+    it = itertools.cycle(inputs)
+    return triton.testing.do_bench(lambda: fn(next(it)), warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second."""
+    src = torch.randn(1 << 29, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+SWEEP = {
+    "quantize_mxfp4": [TileConfig(r, c, w) for r, c, w in
+                       [(4, 16, 4), (8, 16, 4), (8, 32, 4), (16, 16, 4), (16, 32, 8), (32, 16, 8), (8, 8, 4), (2, 32, 4)]],
+    "dequantize_mxfp4": [TileConfig(r, c, w) for r, c, w in
+                         [(4, 16, 4), (8, 16, 4), (8, 32, 4), (16, 16, 4), (16, 32, 8), (32, 16, 8), (8, 8, 4), (2, 32, 4)]],
+    "mxfp4_to_fp8_rows": [TileConfig(r, c, w) for r, c, w in
+                          [(4, 4, 4), (8, 4, 4), (8, 8, 4), (16, 4, 4), (16, 8, 8), (32, 4, 8), (8, 2, 4), (2, 8, 4)]],
+    "mxfp4_to_fp8_cols": [TileConfig(128, c, w) for c, w in [(2, 4), (4, 4), (8, 4), (8, 8), (16, 8), (4, 8), (16, 16)]],
+    "quantize_fp8_rows": [TileConfig(r, c, w) for r, c, w in [(4, 4, 4), (8, 4, 4), (8, 8, 8), (16, 4, 8), (2, 8, 4)]],
+    "dequantize_fp8": [TileConfig(r, c, w) for r, c, w in [(4, 4, 4), (8, 4, 4), (8, 8, 8), (16, 4, 8), (2, 8, 4)]],
+}
+
+
+def sweep(copy_bw: float) -> Dict[str, TileConfig]:
+    tokens, hidden = 16384, 7168
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    best = {}
+    print(f"\n== tile sweep at {tokens} x {hidden} (% of copy) ==")
+    for case in build_cases(tokens, hidden):
+        configs = SWEEP.get(case.name) or SWEEP.get(case.name.replace("_ragged", ""))
+        if case.name.endswith("_ragged"):
+            continue
+        inputs = rotating_inputs(case, tokens, hidden, gen)
+        results = []
+        for cfg in configs:
+            ms = median_ms(lambda i: case.run(i, cfg), inputs)
+            pct = 100 * case.bytes_moved(tokens, hidden) / (ms * 1e-3) / copy_bw
+            results.append((pct, cfg))
+            print(f"  {case.name:28s} rows={cfg.block_rows:<4d} cols={cfg.block_cols:<3d} warps={cfg.num_warps:<3d} {pct:5.1f}%")
+        best[case.name] = max(results, key=lambda r: r[0])[1]
+        del inputs
+    return best
+
+
+def versions() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    return (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
+            f"Python {platform.python_version()}, commit {commit or 'unknown'}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="try several tile configs at 16384 x 7168 first "
+                        "and use the best of each in the table")
+    parser.add_argument("--sizes", default=None, help="comma-separated TxH list, e.g. 16384x7168,4096x2048")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the torch.compile baselines")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sizes = SIZES if args.sizes is None else [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+
+    copy_bw = copy_bandwidth()
+    print(versions())
+    print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    best = sweep(copy_bw) if args.sweep else {}
+    if best:
+        print("best configs:", {k: (c.block_rows, c.block_cols, c.num_warps) for k, c in best.items()})
+
+    header = f"{'kernel':28s} {'tokens x hidden':>16s} {'ms':>8s} {'GB/s':>7s} {'% copy':>7s} {'bar':>5s} {'vs compile':>10s}"
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for tokens, hidden in sizes:
+        for case in build_cases(tokens, hidden):
+            started = time.time()
+            inputs = rotating_inputs(case, tokens, hidden, gen)
+            cfg = best.get(case.name.replace("_ragged", ""))
+            ms = median_ms(lambda i: case.run(i, cfg), inputs)
+            gbps = case.bytes_moved(tokens, hidden) / (ms * 1e-3) / 1e9
+            pct = 100 * gbps * 1e9 / copy_bw
+            speedup = "n/a"
+            if not args.no_baseline:
+                try:
+                    base_ms = median_ms(case.baseline, inputs[:2])
+                    speedup = f"{base_ms / ms:.1f}x"
+                except Exception as exc:  # a baseline that does not compile is reported, not hidden
+                    speedup = f"fail:{type(exc).__name__}"
+            bar = BARS.get(case.name)
+            bar_text = "" if bar is None or (tokens, hidden) != (16384, 7168) else (
+                f"{'ok' if pct >= bar else 'MISS'}")
+            rows.append(f"{case.name:28s} {f'{tokens} x {hidden}':>16s} {ms:8.3f} {gbps:7.0f} {pct:6.1f}% "
+                        f"{bar_text:>5s} {speedup:>10s}")
+            print(rows[-1] + f"   ({time.time() - started:.0f} s)", flush=True)
+            del inputs
+            torch.cuda.empty_cache()
+    print("\n" + versions())
+    print(f"copy ceiling {copy_bw / 1e9:.0f} GB/s; bars at 16384 x 7168 ({EXPERTS} experts for cols, a quarter empty "
+          f"in the ragged case)")
+    print(header)
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

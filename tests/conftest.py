@@ -1,0 +1,31 @@
+"""Test setup: on a machine without CUDA the Triton kernels run under the CPU interpreter and the
+GPU-only tests (marker `gpu`) are skipped; with CUDA everything runs on the GPU."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before any @triton.jit function is defined, i.e. before megatron_fp4 is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU-only machines such as CI)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernel tests run: the GPU when there is one, else the CPU through the interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,157 @@
+"""Each Triton kernel equals the reference bit for bit. On CI this runs the kernels' own code under
+TRITON_INTERPRET=1; on a GPU machine the same tests run compiled on CUDA."""
+
+import pytest
+import torch
+
+import megatron_fp4 as mf
+from megatron_fp4 import reference as ref
+from megatron_fp4.formats import mxfp4_wire_bytes_per_row
+from megatron_fp4.tensors import MXFP4Tensor
+
+from inputs import assert_same_bits, assert_same_fp8, assert_same_mxfp4, hard_input, random_input
+from test_reference import exhaustive_conversion_cases
+
+FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("scale_rule", ["ceil", "floor"])
+@pytest.mark.parametrize("shape", [(19, 256), (40, 9 * 32)])
+def test_quantize_mxfp4(device, dtype, scale_rule, shape):
+    x = hard_input(*shape, dtype, seed=shape[0], device=device)
+    out = MXFP4Tensor.empty(*shape, device, scale_rule)
+    out.rows.fill_(0xA5)  # poison: every byte must be written
+    q = mf.quantize_mxfp4(x, scale_rule, out=out)
+    assert_same_mxfp4(q, ref.quantize_mxfp4(x, scale_rule))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_quantize_mxfp4_fresh_random(device, seed):
+    rows = int(torch.randint(1, 70, (1,)))
+    blocks = int(torch.randint(1, 40, (1,)))
+    x = random_input(rows, blocks * 32, torch.bfloat16, seed=100 + seed, device=device)
+    assert_same_mxfp4(mf.quantize_mxfp4(x), ref.quantize_mxfp4(x))
+
+
+def test_quantize_mxfp4_into_a_wire_buffer_slice(device):
+    x = hard_input(12, 256, torch.bfloat16, seed=7, device=device)
+    wire = torch.full((20, mxfp4_wire_bytes_per_row(256)), 0xA5, dtype=torch.uint8, device=device)
+    q = mf.quantize_mxfp4(x, out=MXFP4Tensor(wire[4:16], 256))
+    assert_same_mxfp4(q, ref.quantize_mxfp4(x))
+    assert (wire[:4] == 0xA5).all() and (wire[16:] == 0xA5).all()
+
+
+@pytest.mark.parametrize("scale_rule", ["ceil", "floor"])
+def test_dequantize_mxfp4(device, scale_rule):
+    x = hard_input(21, 384, torch.float32, seed=8, device=device)
+    q = ref.quantize_mxfp4(x, scale_rule)
+    assert_same_bits(mf.dequantize_mxfp4(q), ref.dequantize_mxfp4(q))
+
+
+def test_dequantize_mxfp4_every_code_and_scale(device):
+    # All 256 packed bytes under every scale byte 0..255 (bf16 subnormals, overflow and NaN).
+    data = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256, 1)  # [256 rows, 512 elements]
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 16)
+    q = MXFP4Tensor.from_parts(data.to(device), scales.to(device))
+    assert_same_bits(mf.dequantize_mxfp4(q), ref.dequantize_mxfp4(q))
+
+
+@pytest.mark.parametrize("top_byte", [200, 30, 5])
+def test_fp4_to_fp8_rows_exhaustive(device, top_byte):
+    q = exhaustive_conversion_cases(top_byte, min(30, top_byte))
+    q = MXFP4Tensor(q.rows.to(device), q.hidden)
+    assert_same_fp8(mf.mxfp4_to_fp8_rows(q), ref.mxfp4_to_fp8_rows(q))
+
+
+@pytest.mark.parametrize("scale_rule", ["ceil", "floor"])
+def test_fp4_to_fp8_rows(device, scale_rule):
+    x = hard_input(37, 640, torch.bfloat16, seed=9, device=device)
+    q = ref.quantize_mxfp4(x, scale_rule)
+    assert_same_fp8(mf.mxfp4_to_fp8_rows(q), ref.mxfp4_to_fp8_rows(q))
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [0, 130, 5, 0, 165],  # empty experts, short blocks, T = 300 not a multiple of 128
+        [128, 128],  # aligned
+        [0, 0, 0, 17],
+        [300],
+    ],
+)
+def test_fp4_to_fp8_cols_ragged(device, counts):
+    tokens = sum(counts)
+    x = hard_input(tokens, 512, torch.bfloat16, seed=tokens, device=device)
+    q = ref.quantize_mxfp4(x)
+    tokens_per_expert = torch.tensor(counts, dtype=torch.int32, device=device)
+    assert_same_fp8(mf.mxfp4_to_fp8_cols(q, tokens_per_expert), ref.mxfp4_to_fp8_cols(q, counts))
+
+
+def test_fp4_to_fp8_cols_random_segments(device):
+    g = torch.Generator().manual_seed(11)
+    counts = torch.randint(0, 90, (9,), generator=g)
+    counts[torch.randint(0, 9, (2,), generator=g)] = 0
+    x = random_input(int(counts.sum()), 256, torch.bfloat16, seed=12, device=device)
+    q = ref.quantize_mxfp4(x)
+    got = mf.mxfp4_to_fp8_cols(q, counts.to(device))
+    assert_same_fp8(got, ref.mxfp4_to_fp8_cols(q, counts.tolist()))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_quantize_fp8_rows(device, dtype):
+    x = hard_input(23, 384, dtype, seed=13, device=device)
+    assert_same_fp8(mf.quantize_fp8_rows(x), ref.quantize_fp8_rows(x))
+
+
+def test_dequantize_fp8_rows_and_cols(device):
+    x = hard_input(30, 256, torch.bfloat16, seed=14, device=device)
+    rows = ref.quantize_fp8_rows(x)
+    assert_same_bits(mf.dequantize_fp8(rows), ref.dequantize_fp8(rows))
+    cols = ref.mxfp4_to_fp8_cols(ref.quantize_mxfp4(x), [10, 0, 20])
+    assert_same_bits(mf.dequantize_fp8(cols), ref.dequantize_fp8(cols))
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+def test_refuses_bad_inputs(device):
+    x = torch.randn(4, 256, device=device)
+    with pytest.raises(TypeError, match="dtype"):
+        mf.quantize_mxfp4(x.to(torch.int32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mf.quantize_mxfp4(x[:, :40].contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        mf.quantize_mxfp4(x[:, ::2])
+    with pytest.raises(ValueError, match="2-D"):
+        mf.quantize_mxfp4(x.reshape(2, 2, 256))
+    with pytest.raises(ValueError, match="scale_rule"):
+        mf.quantize_mxfp4(x, "round")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mf.quantize_fp8_rows(x[:, :96].contiguous())
+    q96 = ref.quantize_mxfp4(x[:, :96].contiguous())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mf.mxfp4_to_fp8_rows(q96)
+    q = ref.quantize_mxfp4(x)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        mf.mxfp4_to_fp8_cols(q, torch.tensor([4.0], device=device))
+    with pytest.raises(ValueError, match="capacity"):
+        mf.mxfp4_to_fp8_cols(q, torch.tensor([4], device=device), capacity=64)
+    with pytest.raises(TypeError, match="MXFP4Tensor"):
+        mf.dequantize_mxfp4(x)
+    with pytest.raises(ValueError, match="bytes per token"):
+        MXFP4Tensor(torch.zeros(4, 100, dtype=torch.uint8), 256)
+
+
+def test_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="CUDA tensor"):
+        mf.quantize_mxfp4(torch.randn(2, 64))
+
+
+def test_counts_that_do_not_sum_to_the_tokens_are_caught_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA this is a device-side assert, which would poison the context")
+    q = ref.quantize_mxfp4(torch.randn(10, 128))
+    with pytest.raises(RuntimeError, match="sum to the number of tokens"):
+        mf.mxfp4_to_fp8_cols(q, torch.tensor([3, 4]))
