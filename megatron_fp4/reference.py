@@ -159,6 +159,24 @@ def padded_segment_offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(padded, 0), (1, 0))
 
 
+def fp8_columns_of_segment(codes: torch.Tensor, scale_byte: torch.Tensor):
+    """One expert's tokens (codes [n, H], scale bytes [n, H/32], n > 0) -> X^T [H, ceil128(n)] in
+    FP8 and its scales [ceil128(n) / 128, H]; tokens past n are zeros with byte 0."""
+    count = codes.shape[0]
+    blocks = -(-count // FP8_BLOCK)
+    pad = blocks * FP8_BLOCK - count
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+    scale_byte = torch.nn.functional.pad(scale_byte, (0, 0, 0, pad))
+    # [blocks, 128 tokens, H/32]: the largest finite byte over the block's tokens.
+    group_max = _finite_bytes(scale_byte).reshape(blocks, FP8_BLOCK, -1).amax(dim=1)
+    values = _fp8_from_fp4_groups(
+        codes,
+        _per_element(scale_byte, MXFP4_BLOCK),
+        _per_element(group_max.repeat_interleave(FP8_BLOCK, dim=0), MXFP4_BLOCK),
+    )
+    return values.t(), _per_element(_fp8_group_scale(group_max), MXFP4_BLOCK)
+
+
 def mxfp4_to_fp8_cols(
     q: MXFP4Tensor, tokens_per_expert: Union[torch.Tensor, Sequence[int]], capacity: Optional[int] = None
 ) -> FP8BlockTensor:
@@ -182,27 +200,14 @@ def mxfp4_to_fp8_cols(
     block_scales = torch.full((capacity // FP8_BLOCK, hidden), 2.0**-_FP8_SCALE_BIAS, device=q.device)
     first_row = 0
     for expert, count in enumerate(counts.tolist()):
-        blocks = -(-count // FP8_BLOCK)
         rows = slice(first_row, first_row + count)
         first_row += count
-        if blocks == 0:
+        if count == 0:
             continue
-        pad = blocks * FP8_BLOCK - count
-        seg_codes = torch.nn.functional.pad(codes[rows], (0, 0, 0, pad))
-        seg_bytes = torch.nn.functional.pad(scale_byte[rows], (0, 0, 0, pad))
-        # [blocks, 128 tokens, H/32]: the largest finite byte over the block's tokens.
-        group_max = _finite_bytes(seg_bytes).reshape(blocks, FP8_BLOCK, -1).amax(dim=1)
-        group_max_per_token = group_max.repeat_interleave(FP8_BLOCK, dim=0)
-        values = _fp8_from_fp4_groups(
-            seg_codes,
-            _per_element(seg_bytes, MXFP4_BLOCK),
-            _per_element(group_max_per_token, MXFP4_BLOCK),
-        )
+        values_t, scales = fp8_columns_of_segment(codes[rows], scale_byte[rows])
         start = int(offsets[expert])
-        data_t[:, start : start + blocks * FP8_BLOCK] = values.t()
-        block_scales[start // FP8_BLOCK : start // FP8_BLOCK + blocks] = _per_element(
-            _fp8_group_scale(group_max), MXFP4_BLOCK
-        )
+        data_t[:, start : start + values_t.shape[1]] = values_t
+        block_scales[start // FP8_BLOCK : start // FP8_BLOCK + scales.shape[0]] = scales
     return FP8BlockTensor(data_t, block_scales, COLWISE, offsets.to(q.device))
 
 

@@ -155,3 +155,14 @@ def test_counts_that_do_not_sum_to_the_tokens_are_caught_on_cpu():
     q = ref.quantize_mxfp4(torch.randn(10, 128))
     with pytest.raises(RuntimeError, match="sum to the number of tokens"):
         mf.mxfp4_to_fp8_cols(q, torch.tensor([3, 4]))
+
+
+def test_fp4_to_fp8_fast_path_on_plain_activations(device):
+    # Normal activations keep every scale gap under 12: the integer fast path alone serves them.
+    x = torch.randn(300, 1024, generator=torch.Generator().manual_seed(15)).bfloat16().to(device)
+    q = ref.quantize_mxfp4(x)
+    gaps = q.scales.reshape(300, -1, 4).amax(-1, keepdim=True) - q.scales.reshape(300, -1, 4)
+    assert gaps.max() <= 11
+    assert_same_fp8(mf.mxfp4_to_fp8_rows(q), ref.mxfp4_to_fp8_rows(q))
+    counts = torch.tensor([100, 0, 200], device=device)
+    assert_same_fp8(mf.mxfp4_to_fp8_cols(q, counts), ref.mxfp4_to_fp8_cols(q, [100, 0, 200]))

@@ -107,3 +107,68 @@ def pow2_fp32(log2_value):
     normal = ((log2_value + 127) << 23).to(tl.float32, bitcast=True)
     subnormal = (1 << tl.minimum(tl.maximum(log2_value + 149, 0), 22)).to(tl.float32, bitcast=True)
     return tl.where(log2_value >= -126, normal, subnormal)
+
+
+# --- FP4 -> FP8 on whole 32-bit words: 8 E2M1 codes (one MXFP4 block's slice) at a time --------
+
+_LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
+_BYTE_LSBS = tl.constexpr(0x01010101)
+_BYTE_MSBS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32 literal
+
+
+@triton.jit
+def _fp8_bytes_of_codes_fast(codes, exponent_base):
+    """Four E2M1 codes, one per byte (0..15), -> four E4M3 bytes, for a gap of at most 11 (every
+    nonzero value is then an E4M3 normal): value 0.5 has byte E << 3 with E = 12 - gap, and each
+    code c >= 2 adds c << 2 on top of it. exponent_base = (12 - gap) << 3, the same for all four.
+    No byte carries into the next: the largest result is 96 + 28 < 128."""
+    magnitude = codes & 0x07070707
+    sign = (codes << 4) & _BYTE_MSBS
+    nonzero = ((magnitude + 0x7F7F7F7F) >> 7) & _BYTE_LSBS
+    at_least_two = ((magnitude + 0x7E7E7E7E) >> 7) & _BYTE_LSBS
+    return (nonzero * exponent_base + ((magnitude - nonzero + at_least_two) << 2)) | sign
+
+
+@triton.jit
+def _spread_low_bytes(v):
+    """Bytes 0 and 1 of v moved to bytes 0 and 2."""
+    return (v & 0xFF) | ((v & 0xFF00) << 8)
+
+
+@triton.jit
+def _interleave_bytes(even, odd):
+    """Bytes [e0 e1 e2 e3] and [o0 o1 o2 o3] -> words [e0 o0 e1 o1] and [e2 o2 e3 o3]."""
+    first = _spread_low_bytes(even) | (_spread_low_bytes(odd) << 8)
+    second = _spread_low_bytes(even >> 16) | (_spread_low_bytes(odd >> 16) << 8)
+    return first, second
+
+
+@triton.jit
+def fp4_word_to_fp8_fast(word, gap, is_nan):
+    """One int32 of packed E2M1 (elements 0..7, element 0 in the low nibble) whose block sits gap
+    (<= 11) below its group's largest scale -> two int32 of E4M3 bytes, elements 0-3 and 4-7."""
+    exponent_base = (12 - gap) << 3
+    even = _fp8_bytes_of_codes_fast(word & _LOW_NIBBLES, exponent_base)
+    odd = _fp8_bytes_of_codes_fast((word >> 4) & _LOW_NIBBLES, exponent_base)
+    first, second = _interleave_bytes(even, odd)
+    nan4 = 0x7F7F7F7F
+    return tl.where(is_nan, nan4, first), tl.where(is_nan, nan4, second)
+
+
+@triton.jit
+def fp4_word_to_fp8_exact(word, gap, is_nan):
+    """fp4_word_to_fp8_fast for any gap: each code through e2m1_to_e4m3 (E4M3 subnormals)."""
+    first = tl.zeros_like(word)
+    second = tl.zeros_like(word)
+    for n in tl.static_range(4):
+        first |= e2m1_to_e4m3((word >> (4 * n)) & 0xF, gap) << (8 * n)
+        second |= e2m1_to_e4m3((word >> (4 * n + 16)) & 0xF, gap) << (8 * n)
+    nan4 = 0x7F7F7F7F
+    return tl.where(is_nan, nan4, first), tl.where(is_nan, nan4, second)
+
+
+@triton.jit
+def fp4_words_need_exact_path(word, gap):
+    """True where a word holds a nonzero code whose block is more than 11 below its group's top
+    (NaN blocks have a negative gap: they never need it)."""
+    return ((word & 0x77777777) != 0) & (gap > 11)

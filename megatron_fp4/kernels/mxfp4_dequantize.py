@@ -5,26 +5,20 @@ import triton
 import triton.language as tl
 
 from ..tensors import MXFP4Tensor
-from ._bits import fp32_to_bf16_bits
 from ._checks import TileConfig, check_kernel_device
 
 DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=16, num_warps=4)
 
 
 @triton.jit
-def _e2m1_times_scale_bf16(code, scale, is_nan):
-    """bf16 bits of E2M1 code * scale (fp32); the product has two significant bits, so it is
-    exact in bf16 unless it overflows."""
+def _e2m1_times_scale_bf16(code, scale):
+    """bf16 bits of E2M1 code * scale (fp32, a power of two or NaN). The product has at most two
+    significant bits, so its top 16 bits are the exact bf16 (subnormal, Inf and NaN included)."""
     magnitude = code & 7
-    mag_bits = tl.where(
-        magnitude >= 2,
-        (((magnitude >> 1) + 126) << 23) | ((magnitude & 1) << 22),
-        tl.where(magnitude == 1, 0x3F000000, 0),
-    )
-    value = mag_bits.to(tl.float32, bitcast=True) * scale
-    value = tl.where(is_nan, float("nan"), value)
-    bits = fp32_to_bf16_bits(value)
-    return bits | ((code & 8) << 12)
+    # fp32 bits of the magnitude: c * 2^22 + 0x3F000000 for c >= 2 (1.0 .. 6.0), 0.5 for c = 1.
+    mag_bits = tl.where(magnitude < 2, magnitude * 0x3F000000, (magnitude << 22) + 0x3F000000)
+    value_bits = (mag_bits.to(tl.float32, bitcast=True) * scale).to(tl.int32, bitcast=True)
+    return (value_bits >> 16) | ((code & 8) << 12)  # the product is positive: no sign to mask
 
 
 @triton.jit
@@ -46,11 +40,11 @@ def _dequantize_mxfp4_kernel(
     column = block[None, :, None] * 16 + byte_in_block[None, None, :]
     packed = tl.load(in_row[:, :, None] + column, mask=block_mask[:, :, None], other=0).to(tl.int32)
     scale_byte = tl.load(in_row + BLOCKS_PER_ROW * 16 + block[None, :], mask=block_mask, other=0).to(tl.int32)
-    # 2^(byte - 127); byte 0 is the subnormal 2^-127.
-    scale = tl.where(scale_byte == 0, 0x00400000, scale_byte << 23).to(tl.float32, bitcast=True)[:, :, None]
-    is_nan = (scale_byte == 255)[:, :, None]
-    lo = _e2m1_times_scale_bf16(packed & 0xF, scale, is_nan)
-    hi = _e2m1_times_scale_bf16(packed >> 4, scale, is_nan)
+    # 2^(byte - 127): byte 0 is the subnormal 2^-127, byte 255 a NaN that every product inherits.
+    scale_bits = tl.where(scale_byte == 0, 0x00400000, scale_byte << 23)
+    scale = tl.where(scale_byte == 255, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)[:, :, None]
+    lo = _e2m1_times_scale_bf16(packed & 0xF, scale)
+    hi = _e2m1_times_scale_bf16(packed >> 4, scale)
     out_offsets = row2[:, :, None] * (BLOCKS_PER_ROW * 16) + column
     tl.store(out_pairs_ptr + out_offsets, lo | (hi << 16), mask=block_mask[:, :, None])
 

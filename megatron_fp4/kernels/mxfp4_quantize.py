@@ -2,8 +2,10 @@
 
 Each program takes a [BLOCK_ROWS, BLOCK_COLS, 16] tile of element pairs: BLOCK_COLS MXFP4 blocks
 of 32 elements per row, loaded as 16 integers so that unpacking needs no shuffles and the packed
-byte of a pair is one OR. Scale selection and rounding are integer and comparison operations
-only, so the CPU interpreter and the GPU agree bit for bit.
+byte of a pair is one OR. The scale comes from integer operations on the block's largest |x|
+bits, the rounding from one exactly-defined fp32 add, so the CPU interpreter and the GPU agree
+bit for bit. The kernel is issue-bound before it is memory-bound: every instruction per element
+counts (scripts/kernel_sass_stats.py).
 """
 
 from typing import Optional
@@ -21,19 +23,21 @@ DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=16, num_warps=4)
 
 
 @triton.jit
-def _e2m1_code(bits, inv_scale):
+def _e2m1_code(bits, inv_scale, SATURATE: tl.constexpr):
     """4-bit E2M1 code of the fp32 with int32 bits, divided by its power-of-two scale.
-    Thresholds are the midpoints of the E2M1 grid; < vs <= picks the even code on a tie."""
+
+    Adding 2^(22 + k), k = clamp(exponent, 0, 2), makes the fp32 add itself round to the E2M1
+    step of v's binade (0.5 below 2, 1 below 4, 2 above), ties to even; the integer difference
+    is then the step count, and 2k shifts it onto the code. Under the "ceil" rule v <= 6, so the
+    result never passes code 7; "floor" may round up to 8 and saturates."""
     v = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale
-    magnitude = (
-        (v > 0.25).to(tl.int32)
-        + (v >= 0.75).to(tl.int32)
-        + (v > 1.25).to(tl.int32)
-        + (v >= 1.75).to(tl.int32)
-        + (v > 2.5).to(tl.int32)
-        + (v >= 3.5).to(tl.int32)
-        + (v > 5.0).to(tl.int32)
-    )
+    v_bits = v.to(tl.int32, bitcast=True)
+    k = tl.minimum(tl.maximum((v_bits >> 23) - 127, 0), 2)
+    magic = (k << 23) + 0x4A800000  # fp32 bits of 2^(22 + k)
+    rounded = (v + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    magnitude = rounded - magic + 2 * k
+    if SATURATE:
+        magnitude = tl.minimum(magnitude, 7)
     return magnitude | ((bits >> 28) & 8)
 
 
@@ -73,7 +77,7 @@ def _quantize_mxfp4_kernel(
     # 2^(127 - byte): a normal fp32 for every finite byte (0..253).
     inv_scale = ((254 - tl.minimum(scale_byte, 253)) << 23).to(tl.float32, bitcast=True)[:, :, None]
 
-    packed = _e2m1_code(lo, inv_scale) | (_e2m1_code(hi, inv_scale) << 4)
+    packed = _e2m1_code(lo, inv_scale, not CEIL_RULE) | (_e2m1_code(hi, inv_scale, not CEIL_RULE) << 4)
     packed = tl.where(is_nan[:, :, None], 0, packed)  # a NaN block stores all-zero codes
     out_row = rows_ptr + row2 * out_row_stride
     tl.store(out_row[:, :, None] + block[None, :, None] * 16 + pair[None, None, :], packed.to(tl.uint8),

@@ -20,69 +20,94 @@ import triton.language as tl
 from ..formats import FP8_BLOCK, MXFP4_BLOCK
 from ..reference import colwise_capacity, padded_segment_offsets
 from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, MXFP4Tensor
-from ._bits import e2m1_to_e4m3, pow2_fp32
+from ._bits import fp4_word_to_fp8_exact, fp4_word_to_fp8_fast, fp4_words_need_exact_path, pow2_fp32
 from ._checks import TileConfig, check_hidden_multiple, check_kernel_device
 
 # block_cols counts 128-element groups for rows and 32-element MXFP4 blocks for columns.
 DEFAULT_ROWS_CONFIG = TileConfig(block_rows=8, block_cols=4, num_warps=4)
-DEFAULT_COLS_CONFIG = TileConfig(block_rows=FP8_BLOCK, block_cols=8, num_warps=4)
+DEFAULT_COLS_CONFIG = TileConfig(block_rows=FP8_BLOCK, block_cols=4, num_warps=8)
 
-_SCALE_BIAS = 133  # FP8 scale = 2^(S - 127 - 6)
-_E4M3_NAN = 0x7F
+# Tokens per step of the columns kernel's exact (large-gap) path.
+_EXACT_TOKENS = tl.constexpr(16)
 
 
 @triton.jit
-def _fp4_byte_to_fp8_pair(packed, scale_byte, group_max):
-    """Two E4M3 bytes (low element in bits 0-7) from one packed E2M1 byte."""
-    gap = group_max - scale_byte
-    lo = e2m1_to_e4m3(packed & 0xF, gap)
-    hi = e2m1_to_e4m3(packed >> 4, gap)
-    is_nan = scale_byte == 255
-    lo = tl.where(is_nan, 0x7F, lo)
-    hi = tl.where(is_nan, 0x7F, hi)
-    return lo, hi
+def _load_row_groups(rows_ptr, row, group, num_rows, in_row_stride, GROUPS_PER_ROW: tl.constexpr):
+    """Words of `row` x `group`: data [R, G, 4 blocks, 4 words], per-block gap and NaN flag
+    [R, G, 4, 1], the group's largest finite scale byte [R, G], and the [R, G] mask."""
+    row2 = row[:, None].to(tl.int64)
+    group_mask = (row[:, None] < num_rows) & (group[None, :] < GROUPS_PER_ROW)
+    in_row = rows_ptr + row2 * in_row_stride
+    # The four scale bytes of a group are one word, after the H/8 data words.
+    scale_word = tl.load(in_row + GROUPS_PER_ROW * 16 + group[None, :], mask=group_mask, other=0)
+    sub_block = tl.arange(0, 4)
+    scale_byte = (scale_word[:, :, None] >> (sub_block[None, None, :] * 8)) & 0xFF  # [R, G, 4]
+    group_max = tl.max(tl.where(scale_byte == 255, 0, scale_byte), axis=2)
+    gap = (group_max[:, :, None] - scale_byte)[:, :, :, None]
+    is_nan = (scale_byte == 255)[:, :, :, None]
+    word = _row_group_words(group, sub_block)
+    words = tl.load(in_row[:, :, None, None] + word, mask=group_mask[:, :, None, None], other=0)
+    return words, gap, is_nan, group_max, group_mask
+
+
+@triton.jit
+def _row_group_words(group, sub_block):
+    """Word index within a row of [1, G, 4 blocks, 4 words]: 16 data words per group."""
+    return group[None, :, None, None] * 16 + sub_block[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+
+
+@triton.jit
+def _store_row_groups(out_ptr, row, group, first, second, group_mask, GROUPS_PER_ROW: tl.constexpr):
+    """Input word w of a row becomes output words 2w (elements 0-3) and 2w + 1 (elements 4-7)."""
+    shape: tl.constexpr = (first.shape[0], first.shape[1], 4, 8)
+    out_words = tl.reshape(tl.join(first, second), shape)
+    offsets = row[:, None, None, None].to(tl.int64) * (GROUPS_PER_ROW * 32) + 2 * _row_group_words(group, tl.arange(0, 4))
+    offsets = tl.reshape(tl.join(offsets, offsets + 1), shape)
+    tl.store(out_ptr + offsets, out_words, mask=tl.broadcast_to(group_mask[:, :, None, None], shape))
 
 
 @triton.jit
 def _mxfp4_to_fp8_rows_kernel(
-    rows_ptr,
-    out_pairs_ptr,
+    rows_ptr,  # int32 view of the wire rows
+    out_ptr,  # int32 view of the FP8 data
     scales_ptr,  # fp32 [groups, num_rows]
     num_rows,
-    in_row_stride,
+    in_row_stride,  # in int32 words
     GROUPS_PER_ROW: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
 ):
-    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    first_row = tl.program_id(0) * BLOCK_ROWS
+    row = first_row + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
-    sub_block = tl.arange(0, 4)
-    byte_in_block = tl.arange(0, 16)
-    row2 = row[:, None].to(tl.int64)
-    group_mask = (row[:, None] < num_rows) & (group[None, :] < GROUPS_PER_ROW)
-    in_row = rows_ptr + row2 * in_row_stride
-
-    block = group[None, :, None] * 4 + sub_block[None, None, :]  # [1, G, 4]
-    scale_byte = tl.load(in_row[:, :, None] + GROUPS_PER_ROW * 64 + block, mask=group_mask[:, :, None], other=0)
-    scale_byte = scale_byte.to(tl.int32)
-    group_max = tl.max(tl.where(scale_byte == 255, 0, scale_byte), axis=2)  # [R, G]
-
-    column = block[:, :, :, None] * 16 + byte_in_block[None, None, None, :]  # [1, G, 4, 16]
-    mask4 = group_mask[:, :, None, None]
-    packed = tl.load(in_row[:, :, None, None] + column, mask=mask4, other=0).to(tl.int32)
-    lo, hi = _fp4_byte_to_fp8_pair(packed, scale_byte[:, :, :, None], group_max[:, :, None, None])
-    out_offsets = row2[:, :, None, None] * (GROUPS_PER_ROW * 64) + column
-    tl.store(out_pairs_ptr + out_offsets, (lo | (hi << 8)).to(tl.int16), mask=mask4)
-
+    words, gap, is_nan, group_max, group_mask = _load_row_groups(rows_ptr, row, group, num_rows, in_row_stride,
+                                                                 GROUPS_PER_ROW)
     scale = pow2_fp32(group_max - 133)
-    tl.store(scales_ptr + group[None, :].to(tl.int64) * num_rows + row2, scale, mask=group_mask)
+    tl.store(scales_ptr + group[None, :].to(tl.int64) * num_rows + row[:, None], scale, mask=group_mask)
+
+    if tl.max(fp4_words_need_exact_path(words, gap).to(tl.int32)) == 0:
+        first, second = fp4_word_to_fp8_fast(words, gap, is_nan)
+        _store_row_groups(out_ptr, row, group, first, second, group_mask, GROUPS_PER_ROW)
+    else:
+        # Rare: a gap over 11 (E4M3 subnormals). Row by row keeps the registers of this path
+        # from lowering the occupancy of the fast one.
+        for r in range(BLOCK_ROWS):
+            one_row = first_row + r + tl.arange(0, 1)
+            row_words, row_gap, row_is_nan, _, row_mask = _load_row_groups(rows_ptr, one_row, group, num_rows,
+                                                                           in_row_stride, GROUPS_PER_ROW)
+            row_first, row_second = fp4_word_to_fp8_exact(row_words, row_gap, row_is_nan)
+            _store_row_groups(out_ptr, one_row, group, row_first, row_second, row_mask, GROUPS_PER_ROW)
 
 
 def _check_mxfp4(name: str, q: MXFP4Tensor) -> None:
+    """The converters read the wire rows as int32 words: hidden a multiple of 128 makes a row
+    17 * hidden / 32 bytes, a multiple of 4; the buffer and its row stride must keep that."""
     if not isinstance(q, MXFP4Tensor):
         raise TypeError(f"{name}: expected an MXFP4Tensor, got {type(q).__name__}")
     check_hidden_multiple(name, q.hidden, FP8_BLOCK)
     check_kernel_device(name, q.rows)
+    if q.rows.data_ptr() % 4 or q.rows.stride(0) % 4:
+        raise ValueError(f"{name}: the MXFP4 rows must start at a 4-byte boundary with a row stride divisible by 4")
 
 
 def mxfp4_to_fp8_rows(q: MXFP4Tensor, config: TileConfig = DEFAULT_ROWS_CONFIG) -> FP8BlockTensor:
@@ -95,11 +120,11 @@ def mxfp4_to_fp8_rows(q: MXFP4Tensor, config: TileConfig = DEFAULT_ROWS_CONFIG) 
     if num_rows:
         grid = (triton.cdiv(num_rows, config.block_rows), triton.cdiv(groups, config.block_cols))
         _mxfp4_to_fp8_rows_kernel[grid](
-            q.rows,
-            data.view(torch.int16),
+            q.rows.view(torch.int32),
+            data.view(torch.int32),
             block_scales,
             num_rows,
-            q.rows.stride(0),
+            q.rows.stride(0) // 4,
             GROUPS_PER_ROW=groups,
             BLOCK_ROWS=config.block_rows,
             BLOCK_GROUPS=config.block_cols,
@@ -109,8 +134,18 @@ def mxfp4_to_fp8_rows(q: MXFP4Tensor, config: TileConfig = DEFAULT_ROWS_CONFIG) 
 
 
 @triton.jit
+def _store_transposed_bytes(out_ptr, words_t, first_hidden, capacity, columns, hidden_limit):
+    """words_t [W, C] holds, per column (token), E4M3 bytes of hidden first_hidden[w] + 0..3:
+    byte k goes to row first_hidden[w] + k of X^T, at `columns`."""
+    for k in tl.static_range(4):
+        hidden = first_hidden + k
+        offsets = hidden[:, None].to(tl.int64) * capacity + columns[None, :]
+        tl.store(out_ptr + offsets, ((words_t >> (8 * k)) & 0xFF).to(tl.uint8), mask=(hidden < hidden_limit)[:, None])
+
+
+@triton.jit
 def _mxfp4_to_fp8_cols_kernel(
-    rows_ptr,
+    rows_ptr,  # int32 view of the wire rows
     out_ptr,  # uint8 [hidden, capacity]
     scales_ptr,  # fp32 [capacity / 128, hidden]
     segment_offsets_ptr,  # int64 [E + 1], 128-aligned column of each expert's segment
@@ -118,7 +153,7 @@ def _mxfp4_to_fp8_cols_kernel(
     num_rows,
     num_experts,
     capacity,
-    in_row_stride,
+    in_row_stride,  # in int32 words
     BLOCKS_PER_ROW: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
     TOKENS: tl.constexpr,  # 128: one FP8 block along tokens
@@ -141,31 +176,53 @@ def _mxfp4_to_fp8_cols_kernel(
     source_row = (first_row + local + token).to(tl.int64)
     token_mask = (token < valid_rows) & (source_row < num_rows)
     block = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    block_mask = block < BLOCKS_PER_ROW
-    mask2 = token_mask[:, None] & block_mask[None, :]
+    mask2 = token_mask[:, None] & (block < BLOCKS_PER_ROW)[None, :]
     in_row = rows_ptr + source_row * in_row_stride
 
-    scale_byte = tl.load(in_row[:, None] + BLOCKS_PER_ROW * 16 + block[None, :], mask=mask2, other=0).to(tl.int32)
+    # Scale bytes: 4 per word after the BLOCKS_PER_ROW * 4 data words.
+    scale_word = tl.load(in_row[:, None] + BLOCKS_PER_ROW * 4 + block[None, :] // 4, mask=mask2, other=0)
+    scale_byte = (scale_word >> ((block[None, :] % 4) * 8)) & 0xFF  # [TOKENS, BLOCK_COLS]
     group_max = tl.max(tl.where(scale_byte == 255, 0, scale_byte), axis=0)  # [BLOCK_COLS]
-    byte_in_block = tl.arange(0, 16)
-    packed = tl.load(
-        in_row[:, None, None] + block[None, :, None] * 16 + byte_in_block[None, None, :],
-        mask=mask2[:, :, None],
-        other=0,
-    ).to(tl.int32)
-    lo, hi = _fp4_byte_to_fp8_pair(packed, scale_byte[:, :, None], group_max[None, :, None])
-    # [tokens, blocks, 16, 2] -> [tokens, hidden] -> X^T tile [hidden, tokens]
-    fp8 = tl.reshape(tl.join(lo, hi).to(tl.uint8), (TOKENS, BLOCK_COLS * 32))
-    fp8_t = tl.trans(fp8)
-    hidden_index = tl.program_id(1) * BLOCK_COLS * 32 + tl.arange(0, BLOCK_COLS * 32)
-    hidden_mask = hidden_index < BLOCKS_PER_ROW * 32
-    out_offsets = hidden_index[:, None].to(tl.int64) * capacity + column_start + token[None, :]
-    tl.store(out_ptr + out_offsets, fp8_t, mask=hidden_mask[:, None])
+    gap = (group_max[None, :] - scale_byte)[:, :, None]
+    is_nan = (scale_byte == 255)[:, :, None]
+
+    word_in_block = tl.arange(0, 4)
+    words = tl.load(in_row[:, None, None] + block[None, :, None] * 4 + word_in_block[None, None, :],
+                    mask=mask2[:, :, None], other=0)
+    # Word w of a token covers hidden 8w .. 8w+7: `first` holds 8w..8w+3, `second` 8w+4..8w+7.
+    word_index = tl.program_id(1) * BLOCK_COLS * 4 + tl.arange(0, BLOCK_COLS * 4)
+    hidden_limit = BLOCKS_PER_ROW * 32
+    if tl.max(fp4_words_need_exact_path(words, gap).to(tl.int32)) == 0:
+        first, second = fp4_word_to_fp8_fast(words, gap, is_nan)  # [TOKENS, BLOCK_COLS, 4]
+        first_t = tl.trans(tl.reshape(first, (TOKENS, BLOCK_COLS * 4)))
+        second_t = tl.trans(tl.reshape(second, (TOKENS, BLOCK_COLS * 4)))
+        _store_transposed_bytes(out_ptr, first_t, 8 * word_index, capacity, column_start + token, hidden_limit)
+        _store_transposed_bytes(out_ptr, second_t, 8 * word_index + 4, capacity, column_start + token, hidden_limit)
+    else:
+        # Rare: a gap over 11 (E4M3 subnormals). 16 tokens at a time keeps this path's registers
+        # from lowering the occupancy of the fast one.
+        for t in range(0, TOKENS, _EXACT_TOKENS):
+            chunk = t + tl.arange(0, _EXACT_TOKENS)
+            row_c = (first_row + local + chunk).to(tl.int64)
+            in_row_c = rows_ptr + row_c * in_row_stride
+            mask_c = ((chunk < valid_rows) & (row_c < num_rows))[:, None] & (block < BLOCKS_PER_ROW)[None, :]
+            word_c = tl.load(in_row_c[:, None] + BLOCKS_PER_ROW * 4 + block[None, :] // 4, mask=mask_c, other=0)
+            byte_c = (word_c >> ((block[None, :] % 4) * 8)) & 0xFF
+            words_c = tl.load(in_row_c[:, None, None] + block[None, :, None] * 4 + word_in_block[None, None, :],
+                              mask=mask_c[:, :, None], other=0)
+            first_c, second_c = fp4_word_to_fp8_exact(words_c, (group_max[None, :] - byte_c)[:, :, None],
+                                                      (byte_c == 255)[:, :, None])
+            first_ct = tl.trans(tl.reshape(first_c, (_EXACT_TOKENS, BLOCK_COLS * 4)))
+            second_ct = tl.trans(tl.reshape(second_c, (_EXACT_TOKENS, BLOCK_COLS * 4)))
+            _store_transposed_bytes(out_ptr, first_ct, 8 * word_index, capacity, column_start + chunk, hidden_limit)
+            _store_transposed_bytes(out_ptr, second_ct, 8 * word_index + 4, capacity, column_start + chunk,
+                                    hidden_limit)
 
     scale = pow2_fp32(group_max - 133)  # [BLOCK_COLS]
     scale_per_column = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_COLS, 32)), (BLOCK_COLS * 32,))
-    scale_offsets = tl.program_id(0).to(tl.int64) * (BLOCKS_PER_ROW * 32) + hidden_index
-    tl.store(scales_ptr + scale_offsets, scale_per_column, mask=hidden_mask)
+    hidden_index = tl.program_id(1) * BLOCK_COLS * 32 + tl.arange(0, BLOCK_COLS * 32)
+    scale_offsets = tl.program_id(0).to(tl.int64) * hidden_limit + hidden_index
+    tl.store(scales_ptr + scale_offsets, scale_per_column, mask=hidden_index < hidden_limit)
 
 
 def mxfp4_to_fp8_cols(
@@ -211,7 +268,7 @@ def mxfp4_to_fp8_cols(
     blocks_per_row = hidden // MXFP4_BLOCK
     grid = (capacity // FP8_BLOCK, triton.cdiv(blocks_per_row, config.block_cols))
     _mxfp4_to_fp8_cols_kernel[grid](
-        q.rows,
+        q.rows.view(torch.int32),
         data.view(torch.uint8),
         block_scales,
         segment_offsets,
@@ -219,7 +276,7 @@ def mxfp4_to_fp8_cols(
         num_rows,
         num_experts,
         capacity,
-        q.rows.stride(0),
+        q.rows.stride(0) // 4,
         BLOCKS_PER_ROW=blocks_per_row,
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         TOKENS=FP8_BLOCK,
