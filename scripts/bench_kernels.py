@@ -146,8 +146,8 @@ SWEEP = {
     "dequantize_mxfp4": [TileConfig(r, c, w) for r, c, w in
                          [(8, 16, 4), (8, 32, 4), (16, 32, 4), (16, 16, 4), (32, 32, 8), (4, 16, 4)]],
     "mxfp4_to_fp8_rows": [TileConfig(r, c, w) for r, c, w in
-                          [(16, 8, 4), (32, 4, 4), (32, 8, 8), (16, 4, 4), (64, 4, 8), (8, 8, 4), (16, 8, 8)]],
-    "mxfp4_to_fp8_cols": [TileConfig(128, c, w) for c, w in [(2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16)]],
+                          [(8, 4, 4), (16, 4, 4), (16, 8, 4), (32, 4, 4), (32, 8, 8), (8, 8, 4), (16, 8, 8)]],
+    "mxfp4_to_fp8_cols": [TileConfig(128, c, w) for c, w in [(2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (8, 16)]],
     "quantize_fp8_rows": [TileConfig(r, c, w) for r, c, w in [(4, 4, 4), (8, 4, 4), (8, 8, 8), (16, 4, 8), (2, 8, 4)]],
     "dequantize_fp8": [TileConfig(r, c, w) for r, c, w in [(4, 4, 4), (8, 4, 4), (8, 8, 8), (16, 4, 8), (2, 8, 4)]],
 }

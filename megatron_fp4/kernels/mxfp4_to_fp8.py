@@ -24,7 +24,7 @@ from ._bits import fp4_word_to_fp8_exact, fp4_word_to_fp8_fast, fp4_words_need_e
 from ._checks import TileConfig, check_hidden_multiple, check_kernel_device
 
 # block_cols counts 128-element groups for rows and 32-element MXFP4 blocks for columns.
-DEFAULT_ROWS_CONFIG = TileConfig(block_rows=8, block_cols=4, num_warps=4)
+DEFAULT_ROWS_CONFIG = TileConfig(block_rows=16, block_cols=4, num_warps=4)
 DEFAULT_COLS_CONFIG = TileConfig(block_rows=FP8_BLOCK, block_cols=4, num_warps=8)
 
 # Tokens per step of the columns kernel's exact (large-gap) path.
@@ -32,44 +32,55 @@ _EXACT_TOKENS = tl.constexpr(16)
 
 
 @triton.jit
-def _load_row_groups(rows_ptr, row, group, num_rows, in_row_stride, GROUPS_PER_ROW: tl.constexpr):
-    """Words of `row` x `group`: data [R, G, 4 blocks, 4 words], per-block gap and NaN flag
-    [R, G, 4, 1], the group's largest finite scale byte [R, G], and the [R, G] mask."""
-    row2 = row[:, None].to(tl.int64)
-    group_mask = (row[:, None] < num_rows) & (group[None, :] < GROUPS_PER_ROW)
-    in_row = rows_ptr + row2 * in_row_stride
+def _group_scales(scale_word):
+    """The four E8M0 bytes of a group, packed in one int32 -> their largest finite byte."""
+    b0 = scale_word & 0xFF
+    b1 = (scale_word >> 8) & 0xFF
+    b2 = (scale_word >> 16) & 0xFF
+    b3 = (scale_word >> 24) & 0xFF
+    b0 = tl.where(b0 == 255, 0, b0)
+    b1 = tl.where(b1 == 255, 0, b1)
+    b2 = tl.where(b2 == 255, 0, b2)
+    b3 = tl.where(b3 == 255, 0, b3)
+    return tl.maximum(tl.maximum(b0, b1), tl.maximum(b2, b3))
+
+
+@triton.jit
+def _row_group_tile(rows_ptr, out_ptr, row, group, num_rows, in_row_stride, GROUPS_PER_ROW: tl.constexpr,
+                    EXACT: tl.constexpr):
+    """Convert `row` x `group`: [R, G, 4 blocks, 4 words] of packed E2M1 -> int64 words of 8 E4M3.
+
+    Everything runs in the layout of the data load: each word reads its group's scale word itself
+    (an L1 hit) instead of taking it from a reduction, so no value crosses threads. Returns 1 if
+    the fast path met a gap it cannot serve (nothing is stored then)."""
+    sub_block = tl.arange(0, 4)[None, None, :, None]
+    word = group[None, :, None, None] * 16 + sub_block * 4 + tl.arange(0, 4)[None, None, None, :]
+    row4 = row[:, None, None, None].to(tl.int64)
+    mask = (row4 < num_rows) & (word < GROUPS_PER_ROW * 16)
+    in_row = rows_ptr + row4 * in_row_stride
+    words = tl.load(in_row + word, mask=mask, other=0)
     # The four scale bytes of a group are one word, after the H/8 data words.
-    scale_word = tl.load(in_row + GROUPS_PER_ROW * 16 + group[None, :], mask=group_mask, other=0)
-    sub_block = tl.arange(0, 4)
-    scale_byte = (scale_word[:, :, None] >> (sub_block[None, None, :] * 8)) & 0xFF  # [R, G, 4]
-    group_max = tl.max(tl.where(scale_byte == 255, 0, scale_byte), axis=2)
-    gap = (group_max[:, :, None] - scale_byte)[:, :, :, None]
-    is_nan = (scale_byte == 255)[:, :, :, None]
-    word = _row_group_words(group, sub_block)
-    words = tl.load(in_row[:, :, None, None] + word, mask=group_mask[:, :, None, None], other=0)
-    return words, gap, is_nan, group_max, group_mask
-
-
-@triton.jit
-def _row_group_words(group, sub_block):
-    """Word index within a row of [1, G, 4 blocks, 4 words]: 16 data words per group."""
-    return group[None, :, None, None] * 16 + sub_block[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
-
-
-@triton.jit
-def _store_row_groups(out_ptr, row, group, first, second, group_mask, GROUPS_PER_ROW: tl.constexpr):
-    """Input word w of a row becomes output words 2w (elements 0-3) and 2w + 1 (elements 4-7)."""
-    shape: tl.constexpr = (first.shape[0], first.shape[1], 4, 8)
-    out_words = tl.reshape(tl.join(first, second), shape)
-    offsets = row[:, None, None, None].to(tl.int64) * (GROUPS_PER_ROW * 32) + 2 * _row_group_words(group, tl.arange(0, 4))
-    offsets = tl.reshape(tl.join(offsets, offsets + 1), shape)
-    tl.store(out_ptr + offsets, out_words, mask=tl.broadcast_to(group_mask[:, :, None, None], shape))
+    scale_word = tl.load(in_row + GROUPS_PER_ROW * 16 + word // 16, mask=mask, other=0)
+    scale_byte = (scale_word >> (sub_block * 8)) & 0xFF
+    gap = _group_scales(scale_word) - scale_byte
+    is_nan = scale_byte == 255
+    if EXACT:
+        first, second = fp4_word_to_fp8_exact(words, gap, is_nan)
+        needs_exact = 0
+    else:
+        first, second = fp4_word_to_fp8_fast(words, gap, is_nan)
+        needs_exact = tl.max(fp4_words_need_exact_path(words, gap).to(tl.int32))
+    if needs_exact == 0:
+        # Output word w (8 E4M3 bytes) is input word w (8 codes): one int64 store per word.
+        out_words = (first.to(tl.int64) & 0xFFFFFFFF) | (second.to(tl.int64) << 32)
+        tl.store(out_ptr + row4 * (GROUPS_PER_ROW * 16) + word, out_words, mask=mask)
+    return needs_exact
 
 
 @triton.jit
 def _mxfp4_to_fp8_rows_kernel(
     rows_ptr,  # int32 view of the wire rows
-    out_ptr,  # int32 view of the FP8 data
+    out_ptr,  # int64 view of the FP8 data
     scales_ptr,  # fp32 [groups, num_rows]
     num_rows,
     in_row_stride,  # in int32 words
@@ -80,23 +91,19 @@ def _mxfp4_to_fp8_rows_kernel(
     first_row = tl.program_id(0) * BLOCK_ROWS
     row = first_row + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
-    words, gap, is_nan, group_max, group_mask = _load_row_groups(rows_ptr, row, group, num_rows, in_row_stride,
-                                                                 GROUPS_PER_ROW)
-    scale = pow2_fp32(group_max - 133)
+
+    group_mask = (row[:, None] < num_rows) & (group[None, :] < GROUPS_PER_ROW)
+    scale_word = tl.load(rows_ptr + row[:, None].to(tl.int64) * in_row_stride + GROUPS_PER_ROW * 16 + group[None, :],
+                         mask=group_mask, other=0)
+    scale = pow2_fp32(_group_scales(scale_word) - 133)
     tl.store(scales_ptr + group[None, :].to(tl.int64) * num_rows + row[:, None], scale, mask=group_mask)
 
-    if tl.max(fp4_words_need_exact_path(words, gap).to(tl.int32)) == 0:
-        first, second = fp4_word_to_fp8_fast(words, gap, is_nan)
-        _store_row_groups(out_ptr, row, group, first, second, group_mask, GROUPS_PER_ROW)
-    else:
-        # Rare: a gap over 11 (E4M3 subnormals). Row by row keeps the registers of this path
-        # from lowering the occupancy of the fast one.
+    if _row_group_tile(rows_ptr, out_ptr, row, group, num_rows, in_row_stride, GROUPS_PER_ROW, False) != 0:
+        # Rare: a gap over 11 (E4M3 subnormals). Row by row keeps this path's registers from
+        # lowering the occupancy of the fast one.
         for r in range(BLOCK_ROWS):
-            one_row = first_row + r + tl.arange(0, 1)
-            row_words, row_gap, row_is_nan, _, row_mask = _load_row_groups(rows_ptr, one_row, group, num_rows,
-                                                                           in_row_stride, GROUPS_PER_ROW)
-            row_first, row_second = fp4_word_to_fp8_exact(row_words, row_gap, row_is_nan)
-            _store_row_groups(out_ptr, one_row, group, row_first, row_second, row_mask, GROUPS_PER_ROW)
+            _row_group_tile(rows_ptr, out_ptr, first_row + r + tl.arange(0, 1), group, num_rows, in_row_stride,
+                            GROUPS_PER_ROW, True)
 
 
 def _check_mxfp4(name: str, q: MXFP4Tensor) -> None:
@@ -121,7 +128,7 @@ def mxfp4_to_fp8_rows(q: MXFP4Tensor, config: TileConfig = DEFAULT_ROWS_CONFIG) 
         grid = (triton.cdiv(num_rows, config.block_rows), triton.cdiv(groups, config.block_cols))
         _mxfp4_to_fp8_rows_kernel[grid](
             q.rows.view(torch.int32),
-            data.view(torch.int32),
+            data.view(torch.int64),
             block_scales,
             num_rows,
             q.rows.stride(0) // 4,
@@ -134,19 +141,46 @@ def mxfp4_to_fp8_rows(q: MXFP4Tensor, config: TileConfig = DEFAULT_ROWS_CONFIG) 
 
 
 @triton.jit
-def _store_transposed_bytes(out_ptr, words_t, first_hidden, capacity, columns, hidden_limit):
-    """words_t [W, C] holds, per column (token), E4M3 bytes of hidden first_hidden[w] + 0..3:
-    byte k goes to row first_hidden[w] + k of X^T, at `columns`."""
-    for k in tl.static_range(4):
-        hidden = first_hidden + k
-        offsets = hidden[:, None].to(tl.int64) * capacity + columns[None, :]
-        tl.store(out_ptr + offsets, ((words_t >> (8 * k)) & 0xFF).to(tl.uint8), mask=(hidden < hidden_limit)[:, None])
+def _load_token_chunk(rows_ptr, source_row, valid, block, in_row_stride, BLOCKS_PER_ROW: tl.constexpr):
+    """Packed words [C, B, 4] of C tokens x B MXFP4 blocks, each word's scale byte, and the mask."""
+    mask = valid[:, None, None] & (block < BLOCKS_PER_ROW)[None, :, None]
+    in_row = rows_ptr + source_row[:, None, None] * in_row_stride
+    word = block[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    words = tl.load(in_row + word, mask=mask, other=0)
+    # Scale bytes: 4 per word after the BLOCKS_PER_ROW * 4 data words.
+    scale_word = tl.load(in_row + BLOCKS_PER_ROW * 4 + word // 16, mask=mask, other=0)
+    scale_byte = (scale_word >> ((block[None, :, None] % 4) * 8)) & 0xFF
+    return words, scale_byte
+
+
+@triton.jit
+def _store_columns(out_words_ptr, first, second, word_index, column_start, capacity_words, hidden_limit,
+                   TOKENS: tl.constexpr, WORDS: tl.constexpr):
+    """first / second [TOKENS, WORDS]: per token, the E4M3 bytes of hidden 8w..8w+3 / 8w+4..8w+7.
+    Four tokens at a time, the bytes are transposed in registers so that each store writes one
+    int32 of four consecutive tokens into a row of X^T."""
+    quad = tl.arange(0, TOKENS // 4)
+    for half in tl.static_range(2):
+        if half == 0:
+            words = first
+        else:
+            words = second
+        quads = tl.permute(tl.reshape(words, (TOKENS // 4, 4, WORDS)), (2, 0, 1))  # [W, quads, 4]
+        even, odd = tl.split(tl.reshape(quads, (WORDS, TOKENS // 4, 2, 2)))
+        t0, t2 = tl.split(even)
+        t1, t3 = tl.split(odd)
+        for k in tl.static_range(4):
+            column = (((t0 >> (8 * k)) & 0xFF) | (((t1 >> (8 * k)) & 0xFF) << 8)
+                      | (((t2 >> (8 * k)) & 0xFF) << 16) | ((t3 >> (8 * k)) << 24))
+            hidden = 8 * word_index + 4 * half + k
+            offsets = hidden[:, None].to(tl.int64) * capacity_words + column_start // 4 + quad[None, :]
+            tl.store(out_words_ptr + offsets, column, mask=(hidden < hidden_limit)[:, None])
 
 
 @triton.jit
 def _mxfp4_to_fp8_cols_kernel(
     rows_ptr,  # int32 view of the wire rows
-    out_ptr,  # uint8 [hidden, capacity]
+    out_words_ptr,  # int32 view of X^T [hidden, capacity]
     scales_ptr,  # fp32 [capacity / 128, hidden]
     segment_offsets_ptr,  # int64 [E + 1], 128-aligned column of each expert's segment
     source_offsets_ptr,  # int64 [E + 1], first row of each expert in rows_ptr
@@ -167,56 +201,42 @@ def _mxfp4_to_fp8_cols_kernel(
     has_expert = expert < num_experts
     safe_expert = tl.minimum(expert, num_experts - 1)
     segment_start = tl.load(segment_offsets_ptr + safe_expert)
-    first_row = tl.load(source_offsets_ptr + safe_expert)
-    expert_rows = tl.load(source_offsets_ptr + safe_expert + 1) - first_row
-    local = column_start - segment_start
-    valid_rows = tl.where(has_expert, tl.minimum(tl.maximum(expert_rows - local, 0), TOKENS), 0)
+    first_row = tl.load(source_offsets_ptr + safe_expert) + column_start - segment_start
+    valid_rows = tl.load(source_offsets_ptr + safe_expert + 1) - first_row
+    valid_rows = tl.where(has_expert, tl.minimum(tl.maximum(valid_rows, 0), TOKENS), 0)
 
     token = tl.arange(0, TOKENS)
-    source_row = (first_row + local + token).to(tl.int64)
-    token_mask = (token < valid_rows) & (source_row < num_rows)
+    source_row = (first_row + token).to(tl.int64)
+    valid = (token < valid_rows) & (source_row < num_rows)
     block = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask2 = token_mask[:, None] & (block < BLOCKS_PER_ROW)[None, :]
-    in_row = rows_ptr + source_row * in_row_stride
+    words, scale_byte = _load_token_chunk(rows_ptr, source_row, valid, block, in_row_stride, BLOCKS_PER_ROW)
+    # S of each MXFP4 block column: the largest finite byte over the 128 tokens.
+    group_max = tl.max(tl.max(tl.where(scale_byte == 255, 0, scale_byte), axis=2), axis=0)  # [BLOCK_COLS]
+    gap = group_max[None, :, None] - scale_byte
+    is_nan = scale_byte == 255
 
-    # Scale bytes: 4 per word after the BLOCKS_PER_ROW * 4 data words.
-    scale_word = tl.load(in_row[:, None] + BLOCKS_PER_ROW * 4 + block[None, :] // 4, mask=mask2, other=0)
-    scale_byte = (scale_word >> ((block[None, :] % 4) * 8)) & 0xFF  # [TOKENS, BLOCK_COLS]
-    group_max = tl.max(tl.where(scale_byte == 255, 0, scale_byte), axis=0)  # [BLOCK_COLS]
-    gap = (group_max[None, :] - scale_byte)[:, :, None]
-    is_nan = (scale_byte == 255)[:, :, None]
-
-    word_in_block = tl.arange(0, 4)
-    words = tl.load(in_row[:, None, None] + block[None, :, None] * 4 + word_in_block[None, None, :],
-                    mask=mask2[:, :, None], other=0)
-    # Word w of a token covers hidden 8w .. 8w+7: `first` holds 8w..8w+3, `second` 8w+4..8w+7.
     word_index = tl.program_id(1) * BLOCK_COLS * 4 + tl.arange(0, BLOCK_COLS * 4)
     hidden_limit = BLOCKS_PER_ROW * 32
+    capacity_words = capacity // 4
     if tl.max(fp4_words_need_exact_path(words, gap).to(tl.int32)) == 0:
-        first, second = fp4_word_to_fp8_fast(words, gap, is_nan)  # [TOKENS, BLOCK_COLS, 4]
-        first_t = tl.trans(tl.reshape(first, (TOKENS, BLOCK_COLS * 4)))
-        second_t = tl.trans(tl.reshape(second, (TOKENS, BLOCK_COLS * 4)))
-        _store_transposed_bytes(out_ptr, first_t, 8 * word_index, capacity, column_start + token, hidden_limit)
-        _store_transposed_bytes(out_ptr, second_t, 8 * word_index + 4, capacity, column_start + token, hidden_limit)
+        first, second = fp4_word_to_fp8_fast(words, gap, is_nan)
+        _store_columns(out_words_ptr, tl.reshape(first, (TOKENS, BLOCK_COLS * 4)),
+                       tl.reshape(second, (TOKENS, BLOCK_COLS * 4)), word_index, column_start, capacity_words,
+                       hidden_limit, TOKENS, BLOCK_COLS * 4)
     else:
         # Rare: a gap over 11 (E4M3 subnormals). 16 tokens at a time keeps this path's registers
         # from lowering the occupancy of the fast one.
         for t in range(0, TOKENS, _EXACT_TOKENS):
             chunk = t + tl.arange(0, _EXACT_TOKENS)
-            row_c = (first_row + local + chunk).to(tl.int64)
-            in_row_c = rows_ptr + row_c * in_row_stride
-            mask_c = ((chunk < valid_rows) & (row_c < num_rows))[:, None] & (block < BLOCKS_PER_ROW)[None, :]
-            word_c = tl.load(in_row_c[:, None] + BLOCKS_PER_ROW * 4 + block[None, :] // 4, mask=mask_c, other=0)
-            byte_c = (word_c >> ((block[None, :] % 4) * 8)) & 0xFF
-            words_c = tl.load(in_row_c[:, None, None] + block[None, :, None] * 4 + word_in_block[None, None, :],
-                              mask=mask_c[:, :, None], other=0)
-            first_c, second_c = fp4_word_to_fp8_exact(words_c, (group_max[None, :] - byte_c)[:, :, None],
-                                                      (byte_c == 255)[:, :, None])
-            first_ct = tl.trans(tl.reshape(first_c, (_EXACT_TOKENS, BLOCK_COLS * 4)))
-            second_ct = tl.trans(tl.reshape(second_c, (_EXACT_TOKENS, BLOCK_COLS * 4)))
-            _store_transposed_bytes(out_ptr, first_ct, 8 * word_index, capacity, column_start + chunk, hidden_limit)
-            _store_transposed_bytes(out_ptr, second_ct, 8 * word_index + 4, capacity, column_start + chunk,
-                                    hidden_limit)
+            chunk_row = (first_row + chunk).to(tl.int64)
+            chunk_valid = (chunk < valid_rows) & (chunk_row < num_rows)
+            chunk_words, chunk_bytes = _load_token_chunk(rows_ptr, chunk_row, chunk_valid, block, in_row_stride,
+                                                         BLOCKS_PER_ROW)
+            first_c, second_c = fp4_word_to_fp8_exact(chunk_words, group_max[None, :, None] - chunk_bytes,
+                                                      chunk_bytes == 255)
+            _store_columns(out_words_ptr, tl.reshape(first_c, (_EXACT_TOKENS, BLOCK_COLS * 4)),
+                           tl.reshape(second_c, (_EXACT_TOKENS, BLOCK_COLS * 4)), word_index, column_start + t,
+                           capacity_words, hidden_limit, _EXACT_TOKENS, BLOCK_COLS * 4)
 
     scale = pow2_fp32(group_max - 133)  # [BLOCK_COLS]
     scale_per_column = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_COLS, 32)), (BLOCK_COLS * 32,))
@@ -269,7 +289,7 @@ def mxfp4_to_fp8_cols(
     grid = (capacity // FP8_BLOCK, triton.cdiv(blocks_per_row, config.block_cols))
     _mxfp4_to_fp8_cols_kernel[grid](
         q.rows.view(torch.int32),
-        data.view(torch.uint8),
+        data.view(torch.int32),
         block_scales,
         segment_offsets,
         source_offsets,
