@@ -89,7 +89,7 @@ def build_cases(tokens: int, hidden: int) -> List[Case]:
         return Case(
             name,
             lambda x: mf.quantize_mxfp4(x),
-            lambda q, cfg: mf.mxfp4_to_fp8_cols(q, counts_dev, **_cfg(cfg)),
+            lambda q, cfg: mf.mxfp4_to_fp8_cols(q, counts_dev, check_counts=False, **_cfg(cfg)),
             lambda q: cols_ref(q, counts.tolist()),
             lambda t, h: t * wire + h * capacity + (capacity // FP8_BLOCK) * h * 4,
         )
@@ -142,14 +142,14 @@ def copy_bandwidth() -> float:
 
 SWEEP = {
     "quantize_mxfp4": [TileConfig(r, c, w) for r, c, w in
-                       [(8, 16, 4), (8, 32, 4), (16, 32, 4), (16, 16, 4), (32, 32, 8), (4, 32, 4), (16, 32, 8)]],
+                       [(8, 32, 4), (16, 32, 4), (16, 32, 8), (8, 64, 8), (32, 32, 8), (4, 64, 4)]],
     "dequantize_mxfp4": [TileConfig(r, c, w) for r, c, w in
-                         [(8, 16, 4), (8, 32, 4), (16, 32, 4), (16, 16, 4), (32, 32, 8), (4, 16, 4)]],
+                         [(8, 16, 4), (8, 32, 4), (16, 32, 4), (16, 32, 8), (32, 32, 8), (8, 64, 8), (16, 64, 8)]],
     "mxfp4_to_fp8_rows": [TileConfig(r, c, w) for r, c, w in
-                          [(8, 4, 4), (16, 4, 4), (16, 8, 4), (32, 4, 4), (32, 8, 8), (8, 8, 4), (16, 8, 8)]],
+                          [(8, 4, 4), (8, 8, 4), (4, 16, 4), (8, 16, 8), (4, 8, 4), (16, 16, 8)]],
     "mxfp4_to_fp8_cols": [TileConfig(128, c, w) for c, w in [(2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (8, 16)]],
-    "quantize_fp8_rows": [TileConfig(r, c, w) for r, c, w in [(4, 4, 4), (8, 4, 4), (8, 8, 8), (16, 4, 8), (2, 8, 4)]],
-    "dequantize_fp8": [TileConfig(r, c, w) for r, c, w in [(4, 4, 4), (8, 4, 4), (8, 8, 8), (16, 4, 8), (2, 8, 4)]],
+    "quantize_fp8_rows": [TileConfig(r, c, w) for r, c, w in [(8, 4, 4), (8, 8, 8)]],
+    "dequantize_fp8": [TileConfig(r, c, w) for r, c, w in [(8, 4, 4), (8, 8, 8)]],
 }
 
 
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     print("\n" + versions())
     print(f"copy ceiling {copy_bw / 1e9:.0f} GB/s; bars at 16384 x 7168 ({EXPERTS} experts for cols, a quarter empty "
-          f"in the ragged case)")
+          f"in the ragged case; cols timed with check_counts=False, the dispatcher's call)")
     print(header)
     print("\n".join(rows))
     return 0

@@ -18,13 +18,13 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_BLOCK, MXFP4_BLOCK
-from ..reference import colwise_capacity, padded_segment_offsets
+from ..reference import colwise_capacity
 from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, MXFP4Tensor
 from ._bits import fp4_word_to_fp8_exact, fp4_word_to_fp8_fast, fp4_words_need_exact_path, pow2_fp32
 from ._checks import TileConfig, check_hidden_multiple, check_kernel_device
 
 # block_cols counts 128-element groups for rows and 32-element MXFP4 blocks for columns.
-DEFAULT_ROWS_CONFIG = TileConfig(block_rows=16, block_cols=4, num_warps=4)
+DEFAULT_ROWS_CONFIG = TileConfig(block_rows=8, block_cols=8, num_warps=4)
 DEFAULT_COLS_CONFIG = TileConfig(block_rows=FP8_BLOCK, block_cols=4, num_warps=8)
 
 # Tokens per step of the columns kernel's exact (large-gap) path.
@@ -48,19 +48,22 @@ def _group_scales(scale_word):
 @triton.jit
 def _row_group_tile(rows_ptr, out_ptr, row, group, num_rows, in_row_stride, GROUPS_PER_ROW: tl.constexpr,
                     EXACT: tl.constexpr):
-    """Convert `row` x `group`: [R, G, 4 blocks, 4 words] of packed E2M1 -> int64 words of 8 E4M3.
+    """Convert `row` x `group` of packed E2M1 to E4M3; returns 1 if the fast path met a gap it
+    cannot serve (nothing is stored then).
 
-    Everything runs in the layout of the data load: each word reads its group's scale word itself
-    (an L1 hit) instead of taking it from a reduction, so no value crosses threads. Returns 1 if
-    the fast path met a gap it cannot serve (nothing is stored then)."""
-    sub_block = tl.arange(0, 4)[None, None, :, None]
-    word = group[None, :, None, None] * 16 + sub_block * 4 + tl.arange(0, 4)[None, None, None, :]
-    row4 = row[:, None, None, None].to(tl.int64)
-    mask = (row4 < num_rows) & (word < GROUPS_PER_ROW * 16)
-    in_row = rows_ptr + row4 * in_row_stride
-    words = tl.load(in_row + word, mask=mask, other=0)
+    The tile is [R, G, 4 blocks, 2, 2 words]: a thread loads two adjacent words (8 bytes) and
+    stores their two int64 results (16 bytes), so load and store share one layout and nothing
+    goes through shared memory. Each group's scale word is loaded once, in that same layout."""
+    sub_block = tl.arange(0, 4)[None, None, :, None, None]
+    group5 = group[None, :, None, None, None]
+    word = (group5 * 16 + sub_block * 4 + tl.arange(0, 2)[None, None, None, :, None] * 2
+            + tl.arange(0, 2)[None, None, None, None, :])
+    row5 = row[:, None, None, None, None].to(tl.int64)
+    group_mask = (row5 < num_rows) & (group5 < GROUPS_PER_ROW)
+    in_row = rows_ptr + row5 * in_row_stride
+    words = tl.load(in_row + word, mask=group_mask, other=0)
     # The four scale bytes of a group are one word, after the H/8 data words.
-    scale_word = tl.load(in_row + GROUPS_PER_ROW * 16 + word // 16, mask=mask, other=0)
+    scale_word = tl.load(in_row + GROUPS_PER_ROW * 16 + group5, mask=group_mask, other=0)
     scale_byte = (scale_word >> (sub_block * 8)) & 0xFF
     gap = _group_scales(scale_word) - scale_byte
     is_nan = scale_byte == 255
@@ -71,9 +74,9 @@ def _row_group_tile(rows_ptr, out_ptr, row, group, num_rows, in_row_stride, GROU
         first, second = fp4_word_to_fp8_fast(words, gap, is_nan)
         needs_exact = tl.max(fp4_words_need_exact_path(words, gap).to(tl.int32))
     if needs_exact == 0:
-        # Output word w (8 E4M3 bytes) is input word w (8 codes): one int64 store per word.
+        # Output int64 word w holds the 8 E4M3 bytes of input word w.
         out_words = (first.to(tl.int64) & 0xFFFFFFFF) | (second.to(tl.int64) << 32)
-        tl.store(out_ptr + row4 * (GROUPS_PER_ROW * 16) + word, out_words, mask=mask)
+        tl.store(out_ptr + row5 * (GROUPS_PER_ROW * 16) + word, out_words, mask=group_mask)
     return needs_exact
 
 
@@ -182,8 +185,8 @@ def _mxfp4_to_fp8_cols_kernel(
     rows_ptr,  # int32 view of the wire rows
     out_words_ptr,  # int32 view of X^T [hidden, capacity]
     scales_ptr,  # fp32 [capacity / 128, hidden]
-    segment_offsets_ptr,  # int64 [E + 1], 128-aligned column of each expert's segment
-    source_offsets_ptr,  # int64 [E + 1], first row of each expert in rows_ptr
+    counts_ptr,  # [E] tokens per expert (int32 or int64)
+    segment_offsets_ptr,  # int64 [E + 1], written by program (0, 0): 128-aligned segment starts
     num_rows,
     num_experts,
     capacity,
@@ -194,16 +197,22 @@ def _mxfp4_to_fp8_cols_kernel(
     BLOCK_COLS: tl.constexpr,  # MXFP4 blocks of hidden per program
 ):
     column_start = tl.program_id(0) * TOKENS
-    # The expert owning this 128-token block: segments ending at or before it come earlier.
+    # Every program derives the segment layout from the counts itself (E is small): no extra
+    # launches, no host sync.
     expert_ids = tl.arange(0, EXPERTS_POW2)
-    segment_ends = tl.load(segment_offsets_ptr + 1 + expert_ids, mask=expert_ids < num_experts, other=capacity + 1)
-    expert = tl.sum((segment_ends <= column_start).to(tl.int32), axis=0)
-    has_expert = expert < num_experts
-    safe_expert = tl.minimum(expert, num_experts - 1)
-    segment_start = tl.load(segment_offsets_ptr + safe_expert)
-    first_row = tl.load(source_offsets_ptr + safe_expert) + column_start - segment_start
-    valid_rows = tl.load(source_offsets_ptr + safe_expert + 1) - first_row
-    valid_rows = tl.where(has_expert, tl.minimum(tl.maximum(valid_rows, 0), TOKENS), 0)
+    counts = tl.load(counts_ptr + expert_ids, mask=expert_ids < num_experts, other=0).to(tl.int64)
+    padded = (counts + TOKENS - 1) // TOKENS * TOKENS
+    segment_ends = tl.cumsum(padded, axis=0)
+    source_ends = tl.cumsum(counts, axis=0)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(segment_offsets_ptr + expert_ids, segment_ends - padded, mask=expert_ids < num_experts)
+        tl.store(segment_offsets_ptr + num_experts, tl.sum(padded, axis=0))
+    # The expert owning this 128-token block: segments ending at or before it come earlier.
+    expert = tl.sum(((segment_ends <= column_start) & (expert_ids < num_experts)).to(tl.int32), axis=0)
+    mine = expert_ids == expert
+    first_row = tl.sum(tl.where(mine, source_ends - counts + column_start - (segment_ends - padded), 0), axis=0)
+    valid_rows = tl.sum(tl.where(mine, source_ends, 0), axis=0) - first_row
+    valid_rows = tl.where(expert < num_experts, tl.minimum(tl.maximum(valid_rows, 0), TOKENS), 0)
 
     token = tl.arange(0, TOKENS)
     source_row = (first_row + token).to(tl.int64)
@@ -249,13 +258,17 @@ def mxfp4_to_fp8_cols(
     q: MXFP4Tensor,
     tokens_per_expert: torch.Tensor,
     capacity: Optional[int] = None,
+    check_counts: bool = True,
     config: TileConfig = DEFAULT_COLS_CONFIG,
 ) -> FP8BlockTensor:
     """MXFP4 rows of E ragged expert segments -> X^T [H, capacity] in FP8, 1x128 along tokens.
 
     tokens_per_expert: int32/int64 [E] on q's device (read on the device, no host sync); rows
     of q are the experts' tokens back to back. capacity defaults to colwise_capacity(T, E), the
-    most the 128-aligned segments can take. Counts that do not sum to T trip a device assert."""
+    most the 128-aligned segments can take. check_counts: assert on the device (no host sync,
+    a few small launches) that the counts are non-negative and sum to T; a caller whose counts
+    come from Megatron's router may skip it. Bad counts never make the kernel read or write
+    out of bounds."""
     _check_mxfp4("mxfp4_to_fp8_cols", q)
     if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.dim() != 1:
         raise TypeError("mxfp4_to_fp8_cols: tokens_per_expert must be a 1-D tensor of per-expert token counts")
@@ -276,13 +289,13 @@ def mxfp4_to_fp8_cols(
             f"mxfp4_to_fp8_cols: capacity {capacity} must be a multiple of {FP8_BLOCK} and at least {needed} "
             f"for {num_rows} tokens over {num_experts} experts"
         )
-    counts = tokens_per_expert.long()
-    torch._assert_async(
-        (counts.sum() == num_rows) & (counts.min() >= 0),
-        "mxfp4_to_fp8_cols: tokens_per_expert must be non-negative and sum to the number of tokens",
-    )
-    segment_offsets = padded_segment_offsets(counts)
-    source_offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
+    if check_counts:
+        counts = tokens_per_expert.long()
+        torch._assert_async(
+            (counts.sum() == num_rows) & (counts.min() >= 0),
+            "mxfp4_to_fp8_cols: tokens_per_expert must be non-negative and sum to the number of tokens",
+        )
+    segment_offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=q.device)
     data = torch.empty(hidden, capacity, dtype=torch.float8_e4m3fn, device=q.device)
     block_scales = torch.empty(capacity // FP8_BLOCK, hidden, dtype=torch.float32, device=q.device)
     blocks_per_row = hidden // MXFP4_BLOCK
@@ -291,8 +304,8 @@ def mxfp4_to_fp8_cols(
         q.rows.view(torch.int32),
         data.view(torch.int32),
         block_scales,
+        tokens_per_expert,
         segment_offsets,
-        source_offsets,
         num_rows,
         num_experts,
         capacity,
