@@ -19,7 +19,7 @@ from ..tensors import MXFP4Tensor
 from ._bits import unpack_float_pair
 from ._checks import TileConfig, check_float_matrix, float_kind, pair_view
 
-DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=16, num_warps=4)
+DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=32, num_warps=4)
 
 
 @triton.jit
