@@ -13,6 +13,7 @@ and rotate among enough buffers to exceed L2 several times over.
 
 import argparse
 import itertools
+import os
 import platform
 import subprocess
 import sys
@@ -175,10 +176,14 @@ def sweep(copy_bw: float) -> Dict[str, TileConfig]:
 
 
 def versions() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    # The device machine gets the working tree without git history: pass MEGATRON_FP4_COMMIT.
+    commit = os.environ.get("MEGATRON_FP4_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            commit = ""
     return (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
             f"Python {platform.python_version()}, commit {commit or 'unknown'}")
 
