@@ -133,17 +133,22 @@ def median_ms(fn, inputs) -> float:
     return triton.testing.do_bench(lambda: fn(next(it)), warmup=25, rep=100, return_mode="median")
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written per second."""
+def memory_ceilings() -> Dict[str, float]:
+    """Bytes per second over 2 GiB: device-to-device copy (read + write, the ceiling every kernel
+    is quoted against), and, to tell read-heavy from write-heavy kernels, a pure read (sum) and a
+    pure write (fill)."""
     src = torch.randn(1 << 29, device="cuda")
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+    nbytes = src.numel() * src.element_size()
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    read_ms = triton.testing.do_bench(lambda: src.sum(), warmup=25, rep=200, return_mode="median")
+    write_ms = triton.testing.do_bench(lambda: dst.fill_(1.5), warmup=25, rep=200, return_mode="median")
+    return {"copy": 2 * nbytes / (copy_ms * 1e-3), "read": nbytes / (read_ms * 1e-3),
+            "write": nbytes / (write_ms * 1e-3)}
 
 
 SWEEP = {
-    "quantize_mxfp4": [TileConfig(r, c, w) for r, c, w in
-                       [(8, 32, 4), (16, 32, 4), (16, 32, 8), (8, 64, 8), (32, 32, 8), (4, 64, 4)]],
+    "quantize_mxfp4": [TileConfig(r, c, w) for r, c, w in [(8, 16, 4), (4, 32, 4), (8, 32, 4), (16, 16, 4)]],
     "dequantize_mxfp4": [TileConfig(r, c, w) for r, c, w in
                          [(8, 16, 4), (8, 32, 4), (16, 32, 4), (16, 32, 8), (32, 32, 8), (8, 64, 8), (16, 64, 8)]],
     "mxfp4_to_fp8_rows": [TileConfig(r, c, w) for r, c, w in
@@ -154,14 +159,14 @@ SWEEP = {
 }
 
 
-def sweep(copy_bw: float) -> Dict[str, TileConfig]:
+def sweep(copy_bw: float, only: Optional[List[str]]) -> Dict[str, TileConfig]:
     tokens, hidden = 16384, 7168
     gen = torch.Generator(device="cuda").manual_seed(1)
     best = {}
     print(f"\n== tile sweep at {tokens} x {hidden} (% of copy) ==")
     for case in build_cases(tokens, hidden):
         configs = SWEEP.get(case.name) or SWEEP.get(case.name.replace("_ragged", ""))
-        if case.name.endswith("_ragged"):
+        if case.name.endswith("_ragged") or (only and case.name not in only):
             continue
         inputs = rotating_inputs(case, tokens, hidden, gen)
         results = []
@@ -190,8 +195,9 @@ def versions() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="try several tile configs at 16384 x 7168 first "
-                        "and use the best of each in the table")
+    parser.add_argument("--sweep", nargs="?", const="all", default=None, metavar="KERNELS",
+                        help="try several tile configs at 16384 x 7168 first (all kernels, or a comma-separated "
+                        "list) and use the best of each in the table")
     parser.add_argument("--sizes", default=None, help="comma-separated TxH list, e.g. 16384x7168,4096x2048")
     parser.add_argument("--no-baseline", action="store_true", help="skip the torch.compile baselines")
     args = parser.parse_args(argv)
@@ -200,10 +206,13 @@ def main(argv=None) -> int:
         return 2
     sizes = SIZES if args.sizes is None else [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
 
-    copy_bw = copy_bandwidth()
+    ceilings = memory_ceilings()
+    copy_bw = ceilings["copy"]
     print(versions())
-    print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
-    best = sweep(copy_bw) if args.sweep else {}
+    print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write); read only {ceilings['read'] / 1e9:.0f} "
+          f"GB/s; write only {ceilings['write'] / 1e9:.0f} GB/s")
+    only = None if args.sweep in (None, "all") else args.sweep.split(",")
+    best = sweep(copy_bw, only) if args.sweep else {}
     if best:
         print("best configs:", {k: (c.block_rows, c.block_cols, c.num_warps) for k, c in best.items()})
 
@@ -234,7 +243,8 @@ def main(argv=None) -> int:
             del inputs
             torch.cuda.empty_cache()
     print("\n" + versions())
-    print(f"copy ceiling {copy_bw / 1e9:.0f} GB/s; bars at 16384 x 7168 ({EXPERTS} experts for cols, a quarter empty "
+    print(f"copy ceiling {copy_bw / 1e9:.0f} GB/s (read only {ceilings['read'] / 1e9:.0f}, write only "
+          f"{ceilings['write'] / 1e9:.0f}); bars at 16384 x 7168 ({EXPERTS} experts for cols, a quarter empty "
           f"in the ragged case; cols timed with check_counts=False, the dispatcher's call)")
     print(header)
     print("\n".join(rows))
