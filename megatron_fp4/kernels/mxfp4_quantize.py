@@ -19,24 +19,23 @@ from ..tensors import MXFP4Tensor
 from ._bits import unpack_float_pair
 from ._checks import TileConfig, check_float_matrix, float_kind, pair_view
 
-DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=16, num_warps=4)
+DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=32, num_warps=4)
 
 
 @triton.jit
-def _e2m1_code(bits, inv_scale, magic_offset, SATURATE: tl.constexpr):
+def _e2m1_code(bits, inv_scale, SATURATE: tl.constexpr):
     """4-bit E2M1 code of the fp32 with int32 bits, divided by its power-of-two scale.
 
-    Adding 2^(22 + k), k = clamp(exponent of v, 0, 2), makes the fp32 add itself round v to the
-    E2M1 step of its binade (0.5 below 2, 1 below 4, 2 above), ties to even; the integer
-    difference is the step count and 2k shifts it onto the code. The exponent of 2^22 * v is x's
-    exponent field plus magic_offset = (149 - byte) << 23; the max with 2^22 covers k = 0 and
-    tiny or subnormal x, and v < 8 keeps k <= 2. v * inv_scale is exact, so the multiply-add may
-    fuse. Under "ceil" v <= 6; "floor" may round up to code 8 and saturates."""
-    magnitude_bits = bits & 0x7FFFFFFF
-    magic = tl.maximum((magnitude_bits & 0x7F800000) + magic_offset, 0x4A800000)  # bits of 2^(22 + k)
-    rounded = (magnitude_bits.to(tl.float32, bitcast=True) * inv_scale
-               + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-    magnitude = rounded - magic + ((magic >> 22) - 298)  # + 2k
+    Adding 2^(22 + k), k = clamp(exponent, 0, 2), makes the fp32 add itself round to the E2M1
+    step of v's binade (0.5 below 2, 1 below 4, 2 above), ties to even; the integer difference
+    is then the step count, and 2k shifts it onto the code. Under the "ceil" rule v <= 6, so the
+    result never passes code 7; "floor" may round up to 8 and saturates."""
+    v = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale
+    v_bits = v.to(tl.int32, bitcast=True)
+    k = tl.minimum(tl.maximum((v_bits >> 23) - 127, 0), 2)
+    magic = (k << 23) + 0x4A800000  # fp32 bits of 2^(22 + k)
+    rounded = (v + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    magnitude = rounded - magic + 2 * k
     if SATURATE:
         magnitude = tl.minimum(magnitude, 7)
     return magnitude | ((bits >> 28) & 8)
@@ -76,13 +75,9 @@ def _quantize_mxfp4_kernel(
     is_nan = biased_exp == 255
     scale_byte = tl.where(is_nan, 255, scale_byte)
     # 2^(127 - byte): a normal fp32 for every finite byte (0..253).
-    finite_byte = tl.minimum(scale_byte, 253)
-    inv_scale = ((254 - finite_byte) << 23).to(tl.float32, bitcast=True)[:, :, None]
-    # Exponent field of 2^22 * v, v = x / 2^(byte - 127), is x's field + (22 + 127 - byte) << 23.
-    magic_offset = ((149 - finite_byte) << 23)[:, :, None]
+    inv_scale = ((254 - tl.minimum(scale_byte, 253)) << 23).to(tl.float32, bitcast=True)[:, :, None]
 
-    packed = (_e2m1_code(lo, inv_scale, magic_offset, not CEIL_RULE)
-              | (_e2m1_code(hi, inv_scale, magic_offset, not CEIL_RULE) << 4))
+    packed = _e2m1_code(lo, inv_scale, not CEIL_RULE) | (_e2m1_code(hi, inv_scale, not CEIL_RULE) << 4)
     packed = tl.where(is_nan[:, :, None], 0, packed)  # a NaN block stores all-zero codes
     out_row = rows_ptr + row2 * out_row_stride
     tl.store(out_row[:, :, None] + block[None, :, None] * 16 + pair[None, None, :], packed.to(tl.uint8),
