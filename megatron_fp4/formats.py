@@ -20,7 +20,6 @@ E8M0_NAN = 255  # a block holding NaN or Inf; dequantizes to NaN
 # FP8 side: E4M3 (torch.float8_e4m3fn) with one power-of-two fp32 scale per 1x128 block.
 FP8_BLOCK = 128
 E4M3_MAX = 448.0
-E4M3_NAN_BYTE = 0x7F
 # Four MXFP4 blocks make one FP8 group; the largest E2M1 magnitude (6) times 2^6 is 384 < 448.
 FP4_TO_FP8_HEADROOM_LOG2 = 6
 # A gap d between a block's scale byte and its group's largest one is exact while d <= 14.

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_fp4 import reference as ref
-from megatron_fp4.formats import E2M1_MAGNITUDES, mxfp4_wire_bytes_per_row
+from megatron_fp4.formats import E2M1_MAGNITUDES, E2M1_MAX, FP4_TO_FP8_EXACT_MAX_GAP, mxfp4_wire_bytes_per_row
 from megatron_fp4.tensors import MXFP4Tensor
 
 from inputs import hard_input, random_input
@@ -34,7 +34,7 @@ def test_quantize_picks_the_rule_scale_and_nearest_even_code(dtype, scale_rule):
     scale = _scale(q)
     live = finite & (amax > 0)
     if scale_rule == "ceil":
-        assert (amax[live] <= 6 * scale[live]).all()
+        assert (amax[live] <= E2M1_MAX * scale[live]).all()
         minimal = amax > 3 * scale  # half the scale would have clipped
         assert (minimal | (q.scales == 0))[live].all()
     else:
@@ -61,7 +61,7 @@ def test_ceil_rule_never_clips():
     q = ref.quantize_mxfp4(x, "ceil")
     codes = ref.unpack_e2m1_codes(q.data)
     v = x.double().abs() / _scale(q).repeat_interleave(32, 1)
-    assert (v <= 6).all()
+    assert (v <= E2M1_MAX).all()
     # Every element lands within half a grid step of its value: no clipping anywhere.
     assert ((v - GRID[codes & 7]).abs() <= 1.0).all()
 
@@ -131,12 +131,12 @@ def test_fp4_to_fp8_rows_exhaustive(top_byte):
     # Exact where gap <= 14: dequant(FP8) == dequant(FP4) in fp32.
     fp4_values = ref.dequantize_mxfp4(q, torch.float32)[:, 32:64]
     fp8_values = ref.dequantize_fp8(fp8, torch.float32)[:, 32:64]
-    exact = gaps <= 14
+    exact = gaps <= FP4_TO_FP8_EXACT_MAX_GAP
     assert torch.equal(fp8_values[exact], fp4_values[exact])
     # Beyond: round to nearest even in units of the smallest E4M3 subnormal, 2^-9 * scale.
     units = GRID[codes & 7] * torch.exp2(6.0 - gaps.double()) / 2.0**-9
     rounded = torch.round(units)  # torch.round is half-to-even
-    expected_mag = torch.where(gaps <= 14, units, rounded)
+    expected_mag = torch.where(exact, units, rounded)
     expected = expected_mag * 2.0**-9 * torch.exp2(torch.tensor(top_byte - 133.0))
     expected = torch.where((codes & 8) != 0, -expected, expected)
     assert torch.equal(fp8_values[:, 0].double(), expected)
@@ -157,7 +157,7 @@ def test_fp4_to_fp8_cols_matches_rows_transposed_on_aligned_segments():
     fp4_values = ref.dequantize_mxfp4(q, torch.float32)
     # Exact wherever no column of a 128-token block spans a scale gap over 14.
     gaps = q.scales.reshape(2, 128, -1).amax(1, keepdim=True) - q.scales.reshape(2, 128, -1)
-    exact = ((gaps <= 14) & (q.scales.reshape(2, 128, -1) != 255)).reshape(256, -1).repeat_interleave(32, 1)
+    exact = ((gaps <= FP4_TO_FP8_EXACT_MAX_GAP) & (q.scales.reshape(2, 128, -1) != 255)).reshape(256, -1).repeat_interleave(32, 1)
     assert torch.equal(values[exact], fp4_values[exact])
 
 

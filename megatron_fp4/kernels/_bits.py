@@ -7,16 +7,11 @@ Every rounding step is done on integers so that the compiled kernels and the CPU
 import triton
 import triton.language as tl
 
-# Input element kinds: 16-bit floats travel as int32 pairs, fp32 as int64 pairs.
-KIND_BF16 = tl.constexpr(0)
-KIND_FP16 = tl.constexpr(1)
-KIND_FP32 = tl.constexpr(2)
-
-
 @triton.jit
 def unpack_float_pair(word, KIND: tl.constexpr):
     """One int32 (two 16-bit floats) or int64 (two fp32) -> the two elements as fp32 bit patterns
-    (int32), element 2j first. bf16 -> fp32 is a 16-bit shift; fp16 goes through a real convert."""
+    (int32), element 2j first. KIND (see _checks.float_kind): 0 bf16, 1 fp16, 2 fp32. bf16 -> fp32
+    is a 16-bit shift; fp16 goes through a real convert."""
     if KIND == 0:
         lo = word << 16
         hi = word & -65536  # 0xFFFF0000

@@ -58,4 +58,5 @@ def pair_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def float_kind(dtype: torch.dtype) -> int:
+    """The KIND constexpr of _bits.unpack_float_pair."""
     return {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[dtype]

@@ -214,7 +214,7 @@ def _mxfp4_to_fp8_cols_kernel(
 
     token = tl.arange(0, TOKENS)
     source_row = (first_row + token).to(tl.int64)
-    valid = (token < valid_rows) & (source_row < num_rows)
+    valid = (token < valid_rows) & (source_row >= 0) & (source_row < num_rows)  # bad counts stay in bounds
     block = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     words, scale_byte = _load_token_chunk(rows_ptr, source_row, valid, block, in_row_stride, BLOCKS_PER_ROW)
     # S of each MXFP4 block column: the largest finite byte over the 128 tokens.
@@ -236,7 +236,7 @@ def _mxfp4_to_fp8_cols_kernel(
         for t in range(0, TOKENS, _EXACT_TOKENS):
             chunk = t + tl.arange(0, _EXACT_TOKENS)
             chunk_row = (first_row + chunk).to(tl.int64)
-            chunk_valid = (chunk < valid_rows) & (chunk_row < num_rows)
+            chunk_valid = (chunk < valid_rows) & (chunk_row >= 0) & (chunk_row < num_rows)
             chunk_words, chunk_bytes = _load_token_chunk(rows_ptr, chunk_row, chunk_valid, block, in_row_stride,
                                                          BLOCKS_PER_ROW)
             first_c, second_c = fp4_word_to_fp8_exact(chunk_words, group_max[None, :, None] - chunk_bytes,
