@@ -1,0 +1,87 @@
+"""The dispatch all-to-all in MXFP4, as one autograd function.
+
+Forward: quantize the permuted tokens to MXFP4 wire rows, send them with the same splits as the
+BF16 all-to-all would use, and hand back both the received payload (for experts that take FP4)
+and its BF16 dequantization (for Megatron's own experts). Backward: straight-through for the
+quantization; the gradient goes back BF16 (exact) or FP8 1x128 rows, with the splits swapped.
+
+The splits are host lists, as Megatron's MoEAlltoAllTokenDispatcher computes them before its own
+all-to-all: nothing here synchronizes with the device.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import dequantize_fp8, dequantize_mxfp4, quantize_fp8_rows, quantize_mxfp4
+from ..formats import check_scale_rule
+from ..tensors import MXFP4Tensor
+from .wire import fp8_wire_bytes_per_row, pack_fp8_rows, unpack_fp8_rows
+
+GRAD_FORMATS = ("bf16", "fp8")
+
+
+def _all_to_all_rows(rows: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
+    """all_to_all_single of whole rows; the output lives on the input's device."""
+    received = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(received, rows.contiguous(), output_splits, input_splits, group=group)
+    return received
+
+
+class _FP4DispatchAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, output_splits, input_splits, group, scale_rule, grad_format):
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        ctx.grad_format = grad_format
+        ctx.input_dtype = tokens.dtype
+        hidden = tokens.shape[1]
+        sent = quantize_mxfp4(tokens, scale_rule)
+        received = MXFP4Tensor(_all_to_all_rows(sent.rows, output_splits, input_splits, group), hidden, scale_rule)
+        ctx.mark_non_differentiable(received.rows)
+        return dequantize_mxfp4(received), received.rows
+
+    @staticmethod
+    def backward(ctx, grad_output, _grad_rows):
+        output_splits, input_splits = ctx.splits
+        hidden = grad_output.shape[1]
+        if ctx.grad_format == "bf16":
+            grad = _all_to_all_rows(grad_output.to(torch.bfloat16), input_splits, output_splits, ctx.group)
+        else:
+            wire = pack_fp8_rows(quantize_fp8_rows(grad_output.contiguous()))
+            received = _all_to_all_rows(wire, input_splits, output_splits, ctx.group)
+            grad = dequantize_fp8(unpack_fp8_rows(received, hidden))
+        return grad.to(ctx.input_dtype), None, None, None, None, None
+
+
+def fp4_dispatch_all_to_all(
+    tokens: torch.Tensor,
+    output_splits: List[int],
+    input_splits: List[int],
+    group: Optional[dist.ProcessGroup] = None,
+    scale_rule: str = "ceil",
+    grad_format: str = "bf16",
+) -> Tuple[torch.Tensor, MXFP4Tensor]:
+    """Send tokens [T, H] (rows grouped by destination rank, input_splits rows each) in MXFP4.
+
+    Returns (received tokens in BF16, the received MXFP4 payload). The BF16 tensor carries the
+    gradient path; the payload is what FP4-aware experts and the activation cache keep.
+    Wire bytes per token: H/2 + H/32 forward; H * 2 (bf16) or H + H/32 (fp8) backward."""
+    check_scale_rule(scale_rule)
+    if grad_format not in GRAD_FORMATS:
+        raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [num_tokens, hidden], got shape {tuple(tokens.shape)}")
+    if sum(input_splits) != tokens.shape[0]:
+        raise ValueError(f"input_splits sum to {sum(input_splits)}, tokens has {tokens.shape[0]} rows")
+    if grad_format == "fp8" and tokens.shape[1] % 128:
+        raise ValueError(f"the fp8 gradient format needs hidden divisible by 128, got {tokens.shape[1]}")
+    group = group if group is not None else dist.group.WORLD
+    received, rows = _FP4DispatchAllToAll.apply(
+        tokens, list(output_splits), list(input_splits), group, scale_rule, grad_format
+    )
+    return received, MXFP4Tensor(rows, tokens.shape[1], scale_rule)
+
+
+__all__ = ["GRAD_FORMATS", "fp4_dispatch_all_to_all", "fp8_wire_bytes_per_row"]
