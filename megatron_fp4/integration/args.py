@@ -1,0 +1,96 @@
+"""Our command-line flags and the configurations the FP4 dispatcher refuses, each with one
+sentence that says what and why.
+
+`add_fp4_args` has the signature of Megatron's `extra_args_provider`; YAML configs use the same
+names with underscores (moe_fp4_dispatch, moe_fp4_dispatch_grad, moe_fp4_scale_rule).
+"""
+
+import argparse
+from typing import Optional
+
+import torch
+
+from ..dispatch import GRAD_FORMATS
+from ..formats import FP8_BLOCK, SCALE_RULES
+
+# megatron-core releases whose MoE dispatcher seams (DESIGN §5) this package is written against.
+SUPPORTED_MEGATRON_CORE = ((0, 17), (0, 19))
+
+
+class FP4DispatchUnsupported(ValueError):
+    """A configuration the FP4 dispatcher cannot serve."""
+
+
+def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("megatron_fp4", "MXFP4 token dispatch for MoE layers")
+    group.add_argument(
+        "--moe-fp4-dispatch",
+        action="store_true",
+        help="Quantize routed tokens to MXFP4 before the expert-parallel all-to-all (H/2 + H/32 bytes "
+        "per token instead of 2H). Needs --moe-token-dispatcher-type alltoall. Off: stock Megatron.",
+    )
+    group.add_argument(
+        "--moe-fp4-dispatch-grad",
+        choices=GRAD_FORMATS,
+        default="bf16",
+        help="Format of the gradient sent back through the dispatch all-to-all: bf16 (exact, default) "
+        "or fp8 (E4M3 with 1x128 power-of-two scales).",
+    )
+    group.add_argument(
+        "--moe-fp4-scale-rule",
+        choices=SCALE_RULES,
+        default="ceil",
+        help="MXFP4 block scale: ceil (default; 2^ceil(log2(amax/6)), never clips) or floor (OCP: "
+        "2^(floor(log2(amax)) - 2), saturates at 6).",
+    )
+    return parser
+
+
+def _parse_version(version: str):
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise FP4DispatchUnsupported(f"--moe-fp4-dispatch cannot read the megatron-core version {version!r}")
+
+
+def check_fp4_dispatch_supported(args, megatron_core_version: Optional[str] = None,
+                                 cuda_available: Optional[bool] = None) -> None:
+    """Raise FP4DispatchUnsupported if `args` (Megatron's parsed arguments, or any object with the
+    same attribute names) asks for FP4 dispatch in a configuration it cannot serve."""
+    if not getattr(args, "moe_fp4_dispatch", False):
+        return
+    if megatron_core_version is None:
+        import megatron.core
+
+        megatron_core_version = megatron.core.__version__
+    low, high = SUPPORTED_MEGATRON_CORE
+    found = _parse_version(megatron_core_version)
+    if not low <= found <= high:
+        raise FP4DispatchUnsupported(
+            f"--moe-fp4-dispatch supports megatron-core {low[0]}.{low[1]} to {high[0]}.{high[1]}.x, found "
+            f"{megatron_core_version}: its MoE dispatcher may differ from the seams this plugin overrides."
+        )
+    if not getattr(args, "num_experts", None):
+        raise FP4DispatchUnsupported("--moe-fp4-dispatch needs an MoE model (--num-experts): there is nothing to dispatch.")
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    if dispatcher != "alltoall":
+        raise FP4DispatchUnsupported(
+            f"--moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got {dispatcher}): it replaces that "
+            "dispatcher's all-to-all, and the allgather and flex dispatchers move tokens differently."
+        )
+    hidden = getattr(args, "hidden_size", None)
+    if hidden is None or hidden % FP8_BLOCK:
+        raise FP4DispatchUnsupported(
+            f"--moe-fp4-dispatch needs a hidden size divisible by {FP8_BLOCK} (got {hidden}): the FP8 1x128 "
+            "blocks of the expert GEMMs must not straddle rows."
+        )
+    if (getattr(args, "expert_tensor_parallel_size", None) or 1) > 1:
+        raise FP4DispatchUnsupported(
+            "--moe-fp4-dispatch does not support expert tensor parallelism yet "
+            f"(--expert-tensor-parallel-size {args.expert_tensor_parallel_size}): use expert parallelism instead."
+        )
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        raise FP4DispatchUnsupported("--moe-fp4-dispatch needs CUDA GPUs: its Triton kernels run only there.")

@@ -1,0 +1,61 @@
+"""Flag parsing and the configurations the FP4 dispatcher refuses."""
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_fp4.integration import FP4DispatchUnsupported, add_fp4_args, check_fp4_dispatch_supported
+
+
+def _parse(argv):
+    return add_fp4_args(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_flags_default_off_and_parse():
+    args = _parse([])
+    assert (args.moe_fp4_dispatch, args.moe_fp4_dispatch_grad, args.moe_fp4_scale_rule) == (False, "bf16", "ceil")
+    args = _parse(["--moe-fp4-dispatch", "--moe-fp4-dispatch-grad", "fp8", "--moe-fp4-scale-rule", "floor"])
+    assert (args.moe_fp4_dispatch, args.moe_fp4_dispatch_grad, args.moe_fp4_scale_rule) == (True, "fp8", "floor")
+    with pytest.raises(SystemExit):
+        _parse(["--moe-fp4-dispatch-grad", "fp16"])
+
+
+def _config(**overrides):
+    base = dict(moe_fp4_dispatch=True, num_experts=32, moe_token_dispatcher_type="alltoall", hidden_size=7168,
+                expert_tensor_parallel_size=1)
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def _check(config, version="0.19.2", cuda=True):
+    check_fp4_dispatch_supported(config, megatron_core_version=version, cuda_available=cuda)
+
+
+def test_a_supported_configuration_passes_and_off_is_never_checked():
+    _check(_config())
+    _check(_config(moe_token_dispatcher_type="allgather", moe_fp4_dispatch=False), version="0.9.0", cuda=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, version, cuda, message",
+    [
+        ({"moe_token_dispatcher_type": "allgather"}, "0.19.2", True, "alltoall"),
+        ({"moe_token_dispatcher_type": "flex"}, "0.19.2", True, "alltoall"),
+        ({"hidden_size": 4000}, "0.19.2", True, "divisible by 128"),
+        ({"expert_tensor_parallel_size": 2}, "0.19.2", True, "expert tensor parallelism"),
+        ({"num_experts": None}, "0.19.2", True, "MoE model"),
+        ({}, "0.16.0", True, "supports megatron-core 0.17 to 0.19"),
+        ({}, "0.20.0rc1", True, "supports megatron-core 0.17 to 0.19"),
+        ({}, "0.19.2", False, "CUDA"),
+    ],
+)
+def test_refusals_say_what_and_why(overrides, version, cuda, message):
+    with pytest.raises(FP4DispatchUnsupported, match=message):
+        _check(_config(**overrides), version=version, cuda=cuda)
+
+
+def test_installed_megatron_core_is_supported():
+    import megatron.core
+
+    check_fp4_dispatch_supported(_config(), megatron_core_version=megatron.core.__version__, cuda_available=True)
