@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..kernels import dequantize_fp8, dequantize_mxfp4, quantize_fp8_rows, quantize_mxfp4
 from ..formats import check_scale_rule
 from ..tensors import MXFP4Tensor
-from .wire import fp8_wire_bytes_per_row, pack_fp8_rows, unpack_fp8_rows
+from .wire import pack_fp8_rows, unpack_fp8_rows
 
 GRAD_FORMATS = ("bf16", "fp8")
 
@@ -84,4 +84,4 @@ def fp4_dispatch_all_to_all(
     return received, MXFP4Tensor(rows, tokens.shape[1], scale_rule)
 
 
-__all__ = ["GRAD_FORMATS", "fp4_dispatch_all_to_all", "fp8_wire_bytes_per_row"]
+__all__ = ["GRAD_FORMATS", "fp4_dispatch_all_to_all"]
