@@ -17,13 +17,15 @@ import torch.distributed as dist
 from ..kernels import dequantize_fp8, dequantize_mxfp4, quantize_fp8_rows, quantize_mxfp4
 from ..formats import check_scale_rule
 from ..tensors import MXFP4Tensor
+from .options import GRAD_FORMATS
 from .wire import pack_fp8_rows, unpack_fp8_rows
-
-GRAD_FORMATS = ("bf16", "fp8")
 
 
 def _all_to_all_rows(rows: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
-    """all_to_all_single of whole rows; the output lives on the input's device."""
+    """all_to_all_single of whole rows; the output lives on the input's device. A group of one
+    rank has nothing to exchange: the rows are returned as they are."""
+    if dist.get_world_size(group) == 1:
+        return rows
     received = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
     dist.all_to_all_single(received, rows.contiguous(), output_splits, input_splits, group=group)
     return received
@@ -40,7 +42,8 @@ class _FP4DispatchAllToAll(torch.autograd.Function):
         sent = quantize_mxfp4(tokens, scale_rule)
         received = MXFP4Tensor(_all_to_all_rows(sent.rows, output_splits, input_splits, group), hidden, scale_rule)
         ctx.mark_non_differentiable(received.rows)
-        return dequantize_mxfp4(received), received.rows
+        # MXFP4 values are exact in BF16 and in FP32 (same exponent range).
+        return dequantize_mxfp4(received).to(tokens.dtype), received.rows
 
     @staticmethod
     def backward(ctx, grad_output, _grad_rows):
@@ -71,6 +74,8 @@ def fp4_dispatch_all_to_all(
     check_scale_rule(scale_rule)
     if grad_format not in GRAD_FORMATS:
         raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
+    if tokens.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"tokens must be bfloat16 or float32 (MXFP4 values can overflow float16), got {tokens.dtype}")
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [num_tokens, hidden], got shape {tuple(tokens.shape)}")
     if sum(input_splits) != tokens.shape[0]:
@@ -79,7 +84,7 @@ def fp4_dispatch_all_to_all(
         raise ValueError(f"the fp8 gradient format needs hidden divisible by 128, got {tokens.shape[1]}")
     group = group if group is not None else dist.group.WORLD
     received, rows = _FP4DispatchAllToAll.apply(
-        tokens, list(output_splits), list(input_splits), group, scale_rule, grad_format
+        tokens, [int(n) for n in output_splits], [int(n) for n in input_splits], group, scale_rule, grad_format
     )
     return received, MXFP4Tensor(rows, tokens.shape[1], scale_rule)
 

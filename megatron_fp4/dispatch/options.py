@@ -1,0 +1,36 @@
+"""What the FP4 dispatcher is asked to do: one small value object, built from Megatron's args."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..formats import SCALE_RULES, check_scale_rule
+
+GRAD_FORMATS = ("bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class FP4DispatchOptions:
+    """scale_rule: MXFP4 block scale rule ("ceil" never clips; "floor" is OCP's).
+    grad_format: the gradient's format on the reversed all-to-all ("bf16" exact, or "fp8" 1x128)."""
+
+    scale_rule: str = "ceil"
+    grad_format: str = "bf16"
+
+    def __post_init__(self):
+        check_scale_rule(self.scale_rule)
+        if self.grad_format not in GRAD_FORMATS:
+            raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {self.grad_format!r}")
+
+    @classmethod
+    def from_args(cls, args) -> Optional["FP4DispatchOptions"]:
+        """The options `args` (Megatron's parsed arguments) ask for, or None when --moe-fp4-dispatch
+        is off: then nothing of this package touches the model."""
+        if not getattr(args, "moe_fp4_dispatch", False):
+            return None
+        return cls(
+            scale_rule=getattr(args, "moe_fp4_scale_rule", SCALE_RULES[0]),
+            grad_format=getattr(args, "moe_fp4_dispatch_grad", GRAD_FORMATS[0]),
+        )
+
+
+__all__ = ["FP4DispatchOptions", "GRAD_FORMATS"]

@@ -1,0 +1,71 @@
+"""Megatron-Core's all-to-all token dispatcher with the token all-to-all sent in MXFP4.
+
+Only `token_dispatch` changes. It keeps the parent's launch order (megatron-core 0.17-0.19):
+wait for the shared experts' stream, synchronize the splits at the parent's own sync point,
+tokens all-to-all, shared-expert fc1, probs all-to-all. The token all-to-all becomes
+`fp4_dispatch_all_to_all`, with the same splits and group; the experts receive BF16 (exact
+dequantization of the MXFP4 payload), so Megatron's SequentialMLP / TEGroupedMLP run unchanged.
+Routing, probs, the combine and every host sync are the parent's.
+"""
+
+from typing import List, Optional
+
+import torch
+from megatron.core.tensor_parallel import all_to_all
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from ..formats import FP8_BLOCK
+from .all_to_all import fp4_dispatch_all_to_all
+from .options import FP4DispatchOptions
+
+
+def _host_splits(splits) -> List[int]:
+    """The parent keeps its splits as numpy arrays after its device-to-host copy."""
+    return [int(n) for n in splits.tolist()]
+
+
+class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
+                 pg_collection=None, options: Optional[FP4DispatchOptions] = None) -> None:
+        super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
+        if self.tp_size > 1:
+            # dispatch_postprocess would all-gather the tokens over the expert-TP group in BF16,
+            # and FP4-aware experts would lose the payload there.
+            raise ValueError(
+                f"the FP4 dispatcher does not support expert tensor parallelism (size {self.tp_size}); "
+                "use --expert-tensor-parallel-size 1"
+            )
+        if config.hidden_size % FP8_BLOCK:
+            raise ValueError(f"the FP4 dispatcher needs hidden_size divisible by {FP8_BLOCK}, got {config.hidden_size}")
+        self.fp4_options = options if options is not None else FP4DispatchOptions()
+
+    def _splits(self, num_tokens: int):
+        """(output_splits, input_splits) as host lists. The parent leaves them None with a single
+        EP rank and, with drop-and-pad, sends equal shares."""
+        if self.input_splits is None:
+            share = num_tokens // self.ep_size
+            return [share] * self.ep_size, [share] * self.ep_size
+        return _host_splits(self.output_splits), _host_splits(self.input_splits)
+
+    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
+        output_splits, input_splits = self._splits(permutated_local_input_tokens.shape[0])
+        global_input_tokens, _payload = fp4_dispatch_all_to_all(
+            permutated_local_input_tokens,
+            output_splits,
+            input_splits,
+            group=self.ep_group,
+            scale_rule=self.fp4_options.scale_rule,
+            grad_format=self.fp4_options.grad_format,
+        )
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
+        global_probs = all_to_all(
+            self.ep_group, permuted_probs, self.output_splits, self.input_splits, use_nccl_stream=self.use_nccl_stream
+        )
+        return global_input_tokens, global_probs
+
+
+__all__ = ["FP4AlltoAllTokenDispatcher"]

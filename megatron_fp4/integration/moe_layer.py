@@ -1,0 +1,97 @@
+"""Registration: a MoELayer subclass that dispatches in FP4, injected through the layer spec.
+
+`use_fp4_dispatch(spec, options)` returns a copy of a GPT layer/block/MTP spec in which every
+`MoELayer` is `FP4MoELayer` with `fp4_options=options`. Nothing in megatron-core is edited or
+patched; with options None the spec comes back untouched and the model is stock Megatron.
+"""
+
+import copy
+import dataclasses
+import functools
+from typing import Optional
+
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ..dispatch.options import FP4DispatchOptions
+from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
+
+
+class FP4MoELayer(MoELayer):
+    """Megatron's MoELayer whose all-to-all dispatcher sends tokens in MXFP4. Everything else
+    (router, experts, shared experts, combine, recompute) is the parent's."""
+
+    def __init__(self, config, *args, fp4_options: Optional[FP4DispatchOptions] = None, **kwargs):
+        if config.moe_token_dispatcher_type != "alltoall":
+            raise ValueError(
+                "FP4 dispatch needs moe_token_dispatcher_type 'alltoall' "
+                f"(got {config.moe_token_dispatcher_type!r}): it replaces that dispatcher's all-to-all"
+            )
+        if config.transformer_impl == "inference_optimized":
+            raise ValueError("FP4 dispatch is for training; transformer_impl 'inference_optimized' is not supported")
+        super().__init__(config, *args, **kwargs)
+        pg_collection = kwargs.get("pg_collection")
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        # The parent built a stock dispatcher (a few small index tensors); replace it by ours.
+        self.token_dispatcher = FP4AlltoAllTokenDispatcher(
+            self.num_local_experts,
+            self.local_expert_indices,
+            config=self.config,
+            pg_collection=pg_collection,
+            options=fp4_options,
+        )
+        if self.shared_experts is not None and self.shared_expert_overlap:
+            self.token_dispatcher.set_shared_experts(self.shared_experts)
+
+
+def _swap_moe_layers(node, options: FP4DispatchOptions, seen: dict):
+    """Copy of `node` with each MoELayer builder replaced. Specs are trees of ModuleSpecs,
+    functools.partials (0.19 builds MoE layers as partial(MoELayer, submodules=...)), dataclasses,
+    lists and tuples; other objects (classes, functions, numbers) are shared, not copied."""
+    if id(node) in seen:
+        return seen[id(node)]
+    if isinstance(node, functools.partial):
+        args = tuple(_swap_moe_layers(a, options, seen) for a in node.args)
+        keywords = {k: _swap_moe_layers(v, options, seen) for k, v in node.keywords.items()}
+        func = node.func
+        if func is MoELayer:
+            func, keywords = FP4MoELayer, {**keywords, "fp4_options": options}
+        out = functools.partial(func, *args, **keywords)
+        seen[id(node)] = out
+        return out
+    if isinstance(node, ModuleSpec):
+        out = copy.copy(node)
+        seen[id(node)] = out
+        if node.module is MoELayer:
+            out.module = FP4MoELayer
+            out.params = {**node.params, "fp4_options": options}
+        out.submodules = _swap_moe_layers(node.submodules, options, seen)
+        return out
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        out = copy.copy(node)
+        seen[id(node)] = out
+        for field in dataclasses.fields(node):
+            # object.__setattr__ also works on frozen dataclasses (out is our own copy).
+            object.__setattr__(out, field.name, _swap_moe_layers(getattr(node, field.name), options, seen))
+        return out
+    if isinstance(node, (list, tuple)):
+        return type(node)(_swap_moe_layers(item, options, seen) for item in node)
+    return node
+
+
+def use_fp4_dispatch(spec, options: Optional[FP4DispatchOptions]):
+    """`spec` (ModuleSpec, TransformerBlockSubmodules or an MTP block spec) with every MoELayer
+    dispatching in FP4; unchanged (the same object) when options is None."""
+    if options is None or spec is None:
+        return spec
+    return _swap_moe_layers(spec, options, {})
+
+
+def count_fp4_moe_layers(model) -> int:
+    """How many MoE layers of a built model dispatch in FP4 (for the launcher's start-up line)."""
+    return sum(isinstance(m, FP4MoELayer) for m in model.modules())
+
+
+__all__ = ["FP4MoELayer", "count_fp4_moe_layers", "use_fp4_dispatch"]
