@@ -13,9 +13,6 @@ and rotate among enough buffers to exceed L2 several times over.
 
 import argparse
 import itertools
-import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +26,7 @@ import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
 from megatron_fp4.formats import FP8_BLOCK, mxfp4_wire_bytes_per_row
 from megatron_fp4.kernels import TileConfig
+from run_info import run_description
 
 ROTATE_BYTES = 1 << 30  # inputs rotate over at least 1 GiB (H200 L2: 60 MB)
 SIZES = [(4096, 7168), (16384, 7168), (65536, 7168), (4096, 2048), (16384, 2048), (65536, 2048)]
@@ -180,19 +178,6 @@ def sweep(copy_bw: float, only: Optional[List[str]]) -> Dict[str, TileConfig]:
     return best
 
 
-def versions() -> str:
-    # The device machine gets the working tree without git history: pass MEGATRON_FP4_COMMIT.
-    commit = os.environ.get("MEGATRON_FP4_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip()
-        except OSError:
-            commit = ""
-    return (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
-            f"Python {platform.python_version()}, commit {commit or 'unknown'}")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", nargs="?", const="all", default=None, metavar="KERNELS",
@@ -208,7 +193,7 @@ def main(argv=None) -> int:
 
     ceilings = memory_ceilings()
     copy_bw = ceilings["copy"]
-    print(versions())
+    print(run_description())
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write); read only {ceilings['read'] / 1e9:.0f} "
           f"GB/s; write only {ceilings['write'] / 1e9:.0f} GB/s")
     only = None if args.sweep in (None, "all") else args.sweep.split(",")
@@ -242,7 +227,7 @@ def main(argv=None) -> int:
             print(rows[-1] + f"   ({time.time() - started:.0f} s)", flush=True)
             del inputs
             torch.cuda.empty_cache()
-    print("\n" + versions())
+    print("\n" + run_description())
     print(f"copy ceiling {copy_bw / 1e9:.0f} GB/s (read only {ceilings['read'] / 1e9:.0f}, write only "
           f"{ceilings['write'] / 1e9:.0f}); bars at 16384 x 7168 ({EXPERTS} experts for cols, a quarter empty "
           f"in the ragged case; cols timed with check_counts=False, the dispatcher's call)")

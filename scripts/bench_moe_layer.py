@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Stock alltoall MoE layer vs the FP4-dispatch MoE layer, in one torchrun job (issue 3).
+
+    torchrun --nproc-per-node 4 scripts/bench_moe_layer.py                 # 32 experts over EP 4
+    torchrun --nproc-per-node 2 scripts/bench_moe_layer.py --experts 16    # 16 experts over EP 2
+
+DeepSeek-V3 layer dimensions by default (hidden 7168, expert FFN 2048, SwiGLU, top-8, 4096 tokens
+per GPU, Megatron's BF16 SequentialMLP experts, no shared expert). Both layers get the same
+weights, the same random tokens and the same routing. Printed on rank 0:
+- dispatch bytes per rank: every token row the dispatch all-to-all carries (self included);
+- dispatch phase: quantize + all-to-all + dequantize (FP4) vs the BF16 all-to-all alone, forward,
+  on the real permuted tokens and splits of this routing;
+- layer forward+backward time and peak memory of each layer.
+Times are medians over --iters after --warmup, the slowest rank's median (CUDA events).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from run_info import run_description
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--ffn", type=int, default=2048, help="expert FFN hidden size")
+    p.add_argument("--experts", type=int, default=32, help="routed experts (divisible by the GPU count)")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--grad", choices=("bf16", "fp8"), default="bf16", help="FP4 dispatch gradient format")
+    return p.parse_args(argv)
+
+
+def slowest_median_ms(fn, iters: int, warmup: int) -> float:
+    """Median of per-iteration CUDA-event times on this rank, then the max over ranks."""
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    median = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median)
+
+
+def moe_config(args, world: int):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=args.hidden, num_attention_heads=args.hidden // 128, num_moe_experts=args.experts,
+        moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn, moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=1e-3, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        bf16=True, params_dtype=torch.bfloat16, expert_model_parallel_size=world, expert_tensor_parallel_size=1,
+    )
+
+
+def permuted_tokens_and_splits(layer, x):
+    """The dispatcher's own routing and permutation of x: (permuted tokens, output splits, input splits)."""
+    dispatcher = layer.token_dispatcher
+    with torch.no_grad():
+        probs, routing_map = layer.router(x)
+        tokens, _probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
+        dispatcher._maybe_dtoh_and_synchronize("before_ep_alltoall", dispatcher.tokens_per_expert)
+    torch.cuda.synchronize()
+    return tokens, [int(n) for n in dispatcher.output_splits], [int(n) for n in dispatcher.input_splits]
+
+
+def layer_step(layer, x, grad):
+    def step():
+        inp = x.detach().requires_grad_(True)
+        out, _ = layer(inp)
+        out.backward(grad)
+    return step
+
+
+def peak_memory_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import all_to_all
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_fp4.dispatch import FP4DispatchOptions, fp4_dispatch_all_to_all
+    from megatron_fp4.formats import mxfp4_wire_bytes_per_row
+    from megatron_fp4.integration.standalone import build_moe_layer
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.experts % world:
+        raise SystemExit(f"--experts {args.experts} must be divisible by the number of GPUs ({world})")
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world, expert_tensor_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(run_description())
+    log(f"EP {world}, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, expert FFN {args.ffn}, "
+        f"{args.tokens} tokens per GPU, FP4 gradient {args.grad}")
+
+    config = moe_config(args, world)
+    stock = build_moe_layer(config).cuda()
+    fp4 = build_moe_layer(config, FP4DispatchOptions(grad_format=args.grad)).cuda()
+    fp4.load_state_dict(stock.state_dict())
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=g).bfloat16()
+    grad = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+
+    # Dispatch phase alone, on the permuted tokens and splits of this routing.
+    tokens, output_splits, input_splits = permuted_tokens_and_splits(stock, x)
+    group = parallel_state.get_expert_model_parallel_group()
+    bf16_ms = slowest_median_ms(lambda: all_to_all(group, tokens, output_splits, input_splits), args.iters, args.warmup)
+    fp4_ms = slowest_median_ms(lambda: fp4_dispatch_all_to_all(tokens, output_splits, input_splits, group),
+                               args.iters, args.warmup)
+    rows = torch.tensor([sum(input_splits)], device="cuda")
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+    bf16_bytes, fp4_bytes = int(rows) * args.hidden * 2, int(rows) * mxfp4_wire_bytes_per_row(args.hidden)
+
+    # The whole layer, forward + backward.
+    stock_ms = slowest_median_ms(layer_step(stock, x, grad), args.iters, args.warmup)
+    fp4_layer_ms = slowest_median_ms(layer_step(fp4, x, grad), args.iters, args.warmup)
+    stock_peak, fp4_peak = peak_memory_gib(layer_step(stock, x, grad)), peak_memory_gib(layer_step(fp4, x, grad))
+
+    log("\n| | stock BF16 dispatch | FP4 dispatch | FP4 / stock |")
+    log("| --- | ---: | ---: | ---: |")
+    log(f"| dispatch bytes per rank (max over ranks) | {bf16_bytes / 2**20:.1f} MiB | {fp4_bytes / 2**20:.1f} MiB "
+        f"| {fp4_bytes / bf16_bytes:.1%} |")
+    log(f"| dispatch phase, forward (ms) | {bf16_ms:.3f} | {fp4_ms:.3f} | {fp4_ms / bf16_ms:.2f}x time "
+        f"({bf16_ms / fp4_ms:.2f}x faster) |")
+    log(f"| layer forward+backward (ms) | {stock_ms:.3f} | {fp4_layer_ms:.3f} | {fp4_layer_ms / stock_ms:.3f} |")
+    log(f"| peak memory (GiB, max over ranks) | {stock_peak:.2f} | {fp4_peak:.2f} | {fp4_peak / stock_peak:.3f} |")
+    log(f"\nBars: bytes 26.6% ({'met' if abs(fp4_bytes / bf16_bytes - 0.265625) < 1e-9 else 'MISSED'}); "
+        f"dispatch >= 2x faster ({'met' if bf16_ms >= 2 * fp4_ms else 'MISSED'}); "
+        f"layer no slower ({'met' if fp4_layer_ms <= stock_ms else 'MISSED'})")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""GPU, 2+ GPUs (NCCL): the FP4-dispatch MoELayer equals, bit for bit, a stock alltoall MoELayer
+whose permuted tokens are rounded to MXFP4 by the reference right before its all-to-all
+(straight-through gradient; with the fp8 gradient format, the received tokens' gradient rounded to
+FP8 1x128 rows by the reference). Routing, experts, shared experts and combine are then the same
+computation, so any difference is a bug in packing, the wire, unpacking or the gradient path.
+
+Layouts: EP = 2 (TP 1) and EP = 1 x TP = 2 (sequence parallel), on the first two GPUs; bf16 and
+fp8 gradients; shared expert with and without overlap."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.gpu
+
+# (tensor parallel, expert parallel, gradient format, shared-expert overlap)
+LAYOUTS = [(1, 2, "bf16", False), (1, 2, "fp8", False), (1, 2, "bf16", True), (2, 1, "bf16", False), (2, 1, "fp8", False)]
+HIDDEN, EXPERTS, TOPK, TOKENS_PER_RANK = 1024, 8, 4, 1024
+
+
+class _RoundToMXFP4(torch.autograd.Function):
+    """Reference MXFP4 rounding, straight-through gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale_rule):
+        from megatron_fp4 import reference as ref
+
+        return ref.dequantize_mxfp4(ref.quantize_mxfp4(x, scale_rule), dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _RoundGradToFP8(torch.autograd.Function):
+    """Identity forward; the gradient rounded to FP8 1x128 rows by the reference."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron_fp4 import reference as ref
+
+        return ref.dequantize_fp8(ref.quantize_fp8_rows(grad.contiguous()), dtype=grad.dtype)
+
+
+def _reference_dispatcher_class(scale_rule, grad_format):
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    class ReferenceRoundedDispatcher(MoEAlltoAllTokenDispatcher):
+        def token_dispatch(self, tokens, probs):
+            tokens, probs = super().token_dispatch(_RoundToMXFP4.apply(tokens, scale_rule), probs)
+            return (_RoundGradToFP8.apply(tokens) if grad_format == "fp8" else tokens), probs
+
+    return ReferenceRoundedDispatcher
+
+
+def _config(tp, ep, overlap):
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=512, moe_shared_expert_overlap=overlap,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+        sequence_parallel=tp > 1,
+    )
+
+
+def _inputs(rank, tp):
+    g = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    shape = (TOKENS_PER_RANK // 2, 2, HIDDEN)  # [sequence, batch, hidden] of this rank
+    scale = torch.exp2(torch.randint(-8, 8, shape, device="cuda", generator=g).float())
+    x = (torch.randn(shape, device="cuda", generator=g) * scale).bfloat16()
+    gy = torch.randn(shape, device="cuda", generator=g).bfloat16()
+    return x, gy
+
+
+def _run(layer, x, gy):
+    x = x.clone().requires_grad_(True)
+    out, _bias = layer(x)
+    out.backward(gy)
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+def _same_bits(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _check_layout(rank, tp, ep, grad_format, overlap):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_fp4.dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
+    from megatron_fp4.integration import FP4DispatchOptions
+    from megatron_fp4.integration.standalone import build_moe_layer
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+    )
+    try:
+        model_parallel_cuda_manual_seed(1234)
+        config = _config(tp, ep, overlap)
+        options = FP4DispatchOptions(scale_rule="ceil", grad_format=grad_format)
+        stock = build_moe_layer(config).cuda()
+        fp4 = build_moe_layer(config, options).cuda()
+        rounded = build_moe_layer(config).cuda()
+        assert isinstance(fp4.token_dispatcher, FP4AlltoAllTokenDispatcher)
+        fp4.load_state_dict(stock.state_dict())
+        rounded.load_state_dict(stock.state_dict())
+        old = rounded.token_dispatcher
+        rounded.token_dispatcher = _reference_dispatcher_class("ceil", grad_format)(
+            old.num_local_experts, old.local_expert_indices, config=config, pg_collection=get_default_pg_collection()
+        )
+        if overlap:
+            rounded.token_dispatcher.set_shared_experts(rounded.shared_experts)
+
+        x, gy = _inputs(dist.get_rank(), tp)
+        out_fp4, dx_fp4, grads_fp4 = _run(fp4, x, gy)
+        out_ref, dx_ref, grads_ref = _run(rounded, x, gy)
+        out_stock, _, _ = _run(stock, x, gy)
+        where = f"rank {rank} tp={tp} ep={ep} grad={grad_format} overlap={overlap}"
+        assert not _same_bits(out_fp4, out_stock), f"{where}: FP4 dispatch did not round anything"
+        assert _same_bits(out_fp4, out_ref), f"{where}: forward output differs"
+        assert _same_bits(dx_fp4, dx_ref), f"{where}: input gradient differs"
+        for name, g in grads_ref.items():
+            assert _same_bits(grads_fp4[name], g), f"{where}: gradient of {name} differs"
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _worker(rank, world, init_file, failures):
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    # index_add / scatter_add in Megatron's (un)permute use atomics unless deterministic.
+    torch.use_deterministic_algorithms(True)
+    try:
+        for layout in LAYOUTS:
+            try:
+                _check_layout(rank, *layout)
+            except AssertionError as error:
+                failures.put(str(error))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fp4_moe_layer_equals_stock_layer_fed_reference_rounded_tokens():
+    for knob in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(knob, "0" if knob == "NCCL_NVLS_ENABLE" else "1")
+    context = mp.get_context("spawn")
+    failures = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), failures), nprocs=2, join=True)
+    found = []
+    while not failures.empty():
+        found.append(failures.get())
+    assert not found, "\n".join(found)
