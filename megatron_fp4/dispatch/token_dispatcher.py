@@ -10,7 +10,6 @@ Routing, probs, the combine and every host sync are the parent's.
 
 from typing import List, Optional
 
-import torch
 from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
