@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything this repo checks on GPUs, in one go (a device session is short): the test suite
+# (GPU-marked tests included), the MoE layer benchmark over all local GPUs, and a proxy training
+# run through the README's command. Prints a short summary at the end.
+#
+#   scripts/gpu_checks.sh                  # on a machine with 1+ GPUs
+# Environment: TRAIN_ITERS (300) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
+# MEGATRON_WHEEL_DIR (.whl): megatron-core wheels installed to /tmp/site when not importable.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ! python3 -c "import megatron.core" 2>/dev/null; then
+    pip install -q --no-index --no-deps --target /tmp/site "${MEGATRON_WHEEL_DIR:-.whl}"/*.whl
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | grep -c .)
+nvidia-smi topo -m || true
+declare -A STATUS
+
+step() {  # step NAME command...: run, time, remember the exit status
+    local name=$1 start=$SECONDS
+    shift
+    echo "=== $name: $*"
+    "$@"
+    STATUS[$name]="exit $? in $((SECONDS - start)) s"
+}
+
+step tests python3 -m pytest -q -x tests
+if ((GPUS >= 2)); then
+    step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_layer.py \
+        --experts "${BENCH_EXPERTS:-$((8 * GPUS))}"
+fi
+step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-300}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS"
+# First and last logged iterations (lm loss), and Megatron's count of NaN iterations over the run.
+grep -E "iteration +[0-9]+/" runs/proxy_fp4/train.log | sed -n '1p;$p'
+grep -oE "number of nan iterations: +[0-9]+" runs/proxy_fp4/train.log | awk '{s += $NF} END {print "nan iterations:", s + 0}'
+
+echo "=== summary"
+for name in "${!STATUS[@]}"; do echo "$name: ${STATUS[$name]}"; done

@@ -1,0 +1,138 @@
+"""The pretraining launcher on CPU: --help, the refusal path, the proxy script's command line, and
+what the launcher builds from that command line (layer specs, mock data, loss) short of the model
+itself (Megatron's MoE layers allocate CUDA buffers and streams when built)."""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.global_vars import unset_global_variables
+
+from megatron_fp4.integration import FP4DispatchOptions, FP4MoELayer
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = ROOT / "scripts" / "pretrain_gpt_fp4.py"
+PROXY = ROOT / "scripts" / "train_proxy.sh"
+
+_spec = importlib.util.spec_from_file_location("pretrain_gpt_fp4", LAUNCHER)
+launcher = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(launcher)
+
+
+def proxy_command(nproc: str, *extra: str, **env: str) -> list:
+    """The launcher arguments train_proxy.sh builds (torchrun replaced by `echo`)."""
+    name = f"test_launcher_{uuid.uuid4().hex[:8]}"
+    try:
+        out = subprocess.run(
+            ["bash", str(PROXY), nproc, *extra], capture_output=True, text=True, check=True, timeout=60,
+            env={**os.environ, "TORCHRUN": "echo", "RUN_NAME": name, **env},
+        ).stdout
+    finally:
+        shutil.rmtree(ROOT / "runs" / name, ignore_errors=True)
+    words = out.splitlines()[-1].split()
+    assert words[:4] == ["--standalone", "--nproc-per-node", nproc, "scripts/pretrain_gpt_fp4.py"]
+    return words[4:]
+
+
+@pytest.fixture
+def launcher_argv(monkeypatch):
+    """Set the command line (and torchrun's env) as a rank sees it; Megatron's globals are reset."""
+
+    def _set(argv, world_size=1):
+        monkeypatch.setattr(sys, "argv", [str(LAUNCHER), *argv])
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("RANK", "0")
+        unset_global_variables()
+
+    yield _set
+    unset_global_variables()
+
+
+@pytest.fixture
+def one_rank():
+    """A one-process gloo group with Megatron's parallel state (layer specs ask for the pipeline rank)."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def test_help_lists_our_flags_and_megatrons():
+    result = subprocess.run([sys.executable, str(LAUNCHER), "--help"], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for flag in ("--moe-fp4-dispatch", "--moe-fp4-dispatch-grad {bf16,fp8}", "--moe-fp4-scale-rule {ceil,floor}",
+                 "--num-experts", "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--mtp-num-layers",
+                 "--mock-data", "--tokenizer-type", "--transformer-impl"):
+        assert flag in result.stdout, flag
+
+
+def test_proxy_script_syntax_and_command_line():
+    subprocess.run(["bash", "-n", str(PROXY)], check=True)
+    argv = proxy_command("2", "--train-iters", "7")
+    assert "--moe-fp4-dispatch" in argv
+    assert argv[argv.index("--expert-model-parallel-size") + 1] == "2"
+    assert argv[argv.index("--moe-token-dispatcher-type") + 1] == "alltoall"
+    assert argv[-2:] == ["--train-iters", "7"]  # extra arguments come last, so they win
+    assert "--moe-fp4-dispatch" not in proxy_command("1", FP4="0")
+    # Expert parallelism stays at most 4 and divides both the GPUs and the 16 experts.
+    ep = {n: (a := proxy_command(n))[a.index("--expert-model-parallel-size") + 1] for n in ("3", "6", "8")}
+    assert ep == {"3": "1", "6": "2", "8": "4"}
+
+
+def test_refusal_stops_the_run_with_one_sentence(launcher_argv, capsys):
+    launcher_argv(["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+                   "--max-position-embeddings", "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
+                   "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--num-experts", "4",
+                   "--moe-token-dispatcher-type", "allgather", "--moe-fp4-dispatch"])
+    with pytest.raises(SystemExit) as stop:
+        launcher.main()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got allgather)" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("fp4", [True, False])
+def test_proxy_specs_dense_first_then_moe_and_mtp(launcher_argv, one_rank, fp4):
+    launcher_argv(proxy_command("2", FP4="1" if fp4 else "0"), world_size=2)
+    args = launcher.parse_launcher_args()
+    assert args.moe_fp4_dispatch is fp4 and args.transformer_impl == "local"
+    decoder, mtp = launcher.build_specs(args, core_transformer_config_from_args(args))
+
+    moe_class = FP4MoELayer if fp4 else MoELayer
+    mlps = [layer.submodules.mlp for layer in decoder.layer_specs]
+    assert len(mlps) == 6
+    assert getattr(mlps[0], "func", None) not in (MoELayer, FP4MoELayer)  # the first layer is dense
+    assert [m.func for m in mlps[1:]] == [moe_class] * 5
+    mtp_layers = mtp.layer_specs
+    assert len(mtp_layers) == 1
+    assert mtp_layers[0].submodules.mtp_model_layer.submodules.mlp.func is moe_class
+    if fp4:
+        assert mlps[1].keywords["fp4_options"] == FP4DispatchOptions("ceil", "bf16")
+
+
+def test_mock_data_batches_and_loss(launcher_argv):
+    launcher_argv(proxy_command("1", "--micro-batch-size", "2", "--train-iters", "3", "--eval-iters", "1"))
+    args = launcher.parse_launcher_args()
+    train, _, _ = launcher.train_valid_test_datasets_provider([6, 2, 2])
+    sample = train[0]
+    assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}  # no mask: built in attention
+    assert sample["tokens"].shape == (args.seq_length,)
+    assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
+
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    loss, num_tokens, report = launcher.loss_func(mask, per_token)
+    assert loss.item() == 13.0 and num_tokens.item() == 4
+    assert report["lm loss"].tolist() == [13.0, 4.0]
