@@ -9,7 +9,7 @@ per GPU, Megatron's BF16 SequentialMLP experts, no shared expert). Both layers g
 weights, the same random tokens and the same routing. Printed on rank 0:
 - dispatch bytes per rank: every token row the dispatch all-to-all carries (self included);
 - dispatch phase: quantize + all-to-all + dequantize (FP4) vs the BF16 all-to-all alone, forward,
-  on the real permuted tokens and splits of this routing;
+  on the real permuted tokens and splits of this routing, and each FP4 part timed alone;
 - layer forward+backward time and peak memory of each layer.
 Times are medians over --iters after --warmup, the slowest rank's median (CUDA events).
 """
@@ -102,7 +102,9 @@ def main(argv=None) -> int:
     from megatron.core.tensor_parallel import all_to_all
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    import megatron_fp4 as mf
     from megatron_fp4.dispatch import FP4DispatchOptions, fp4_dispatch_all_to_all
+    from megatron_fp4.tensors import MXFP4Tensor
     from megatron_fp4.formats import mxfp4_wire_bytes_per_row
     from megatron_fp4.integration.standalone import build_moe_layer
 
@@ -133,6 +135,15 @@ def main(argv=None) -> int:
     bf16_ms = slowest_median_ms(lambda: all_to_all(group, tokens, output_splits, input_splits), args.iters, args.warmup)
     fp4_ms = slowest_median_ms(lambda: fp4_dispatch_all_to_all(tokens, output_splits, input_splits, group),
                                args.iters, args.warmup)
+    # Its three parts, to see where the time goes.
+    sent = mf.quantize_mxfp4(tokens)
+    received = MXFP4Tensor(all_to_all(group, sent.rows, output_splits, input_splits), args.hidden)
+    parts_ms = {
+        "quantize": slowest_median_ms(lambda: mf.quantize_mxfp4(tokens), args.iters, args.warmup),
+        "all-to-all of MXFP4 rows": slowest_median_ms(
+            lambda: all_to_all(group, sent.rows, output_splits, input_splits), args.iters, args.warmup),
+        "dequantize": slowest_median_ms(lambda: mf.dequantize_mxfp4(received), args.iters, args.warmup),
+    }
     rows = torch.tensor([sum(input_splits)], device="cuda")
     dist.all_reduce(rows, op=dist.ReduceOp.MAX)
     bf16_bytes, fp4_bytes = int(rows) * args.hidden * 2, int(rows) * mxfp4_wire_bytes_per_row(args.hidden)
@@ -148,6 +159,8 @@ def main(argv=None) -> int:
         f"| {fp4_bytes / bf16_bytes:.1%} |")
     log(f"| dispatch phase, forward (ms) | {bf16_ms:.3f} | {fp4_ms:.3f} | {fp4_ms / bf16_ms:.2f}x time "
         f"({bf16_ms / fp4_ms:.2f}x faster) |")
+    for part, ms in parts_ms.items():
+        log(f"| - FP4 {part} (ms) | | {ms:.3f} | |")
     log(f"| layer forward+backward (ms) | {stock_ms:.3f} | {fp4_layer_ms:.3f} | {fp4_layer_ms / stock_ms:.3f} |")
     log(f"| peak memory (GiB, max over ranks) | {stock_peak:.2f} | {fp4_peak:.2f} | {fp4_peak / stock_peak:.3f} |")
     log(f"\nBars: bytes 26.6% ({'met' if abs(fp4_bytes / bf16_bytes - 0.265625) < 1e-9 else 'MISSED'}); "
