@@ -7,6 +7,7 @@ setup(
     packages=find_packages(include=["megatron_fp4", "megatron_fp4.*"]),
     python_requires=">=3.12",
     install_requires=["torch>=2.11", "triton>=3.6", "megatron-core>=0.17", "pyyaml"],
+    entry_points={"console_scripts": ["megatron-fp4 = megatron_fp4.cli:main"]},
     extras_require={
         "test": ["pytest>=8", "numpy"],
         # Transformer Engine's PyTorch part builds from source against CUDA; optional.

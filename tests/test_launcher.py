@@ -4,6 +4,7 @@ itself (Megatron's MoE layers allocate CUDA buffers and streams when built)."""
 
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,18 +30,19 @@ _spec.loader.exec_module(launcher)
 
 
 def proxy_command(nproc: str, *extra: str, **env: str) -> list:
-    """The launcher arguments train_proxy.sh builds (torchrun replaced by `echo`)."""
+    """The launcher arguments train_proxy.sh builds (a dry run of scripts/launch.py)."""
     name = f"test_launcher_{uuid.uuid4().hex[:8]}"
     try:
         out = subprocess.run(
-            ["bash", str(PROXY), nproc, *extra], capture_output=True, text=True, check=True, timeout=60,
-            env={**os.environ, "TORCHRUN": "echo", "RUN_NAME": name, **env},
+            ["bash", str(PROXY), nproc, *extra], capture_output=True, text=True, check=True, timeout=120,
+            env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "RUN_NAME": name, **env},
         ).stdout
     finally:
         shutil.rmtree(ROOT / "runs" / name, ignore_errors=True)
-    words = out.splitlines()[-1].split()
-    assert words[:4] == ["--standalone", "--nproc-per-node", nproc, "scripts/pretrain_gpt_fp4.py"]
-    return words[4:]
+    words = shlex.split(out.splitlines()[-1])
+    assert words[:4] == ["torchrun", "--standalone", "--nproc-per-node", nproc]
+    assert words[4] == str(LAUNCHER)
+    return words[5:]
 
 
 @pytest.fixture
@@ -84,10 +86,14 @@ def test_proxy_script_syntax_and_command_line():
     assert argv[argv.index("--expert-model-parallel-size") + 1] == "2"
     assert argv[argv.index("--moe-token-dispatcher-type") + 1] == "alltoall"
     assert argv[-2:] == ["--train-iters", "7"]  # extra arguments come last, so they win
+    assert argv[argv.index("--save") + 1].endswith("checkpoints")  # checkpoints go to the run directory
     assert "--moe-fp4-dispatch" not in proxy_command("1", FP4="0")
-    # Expert parallelism stays at most 4 and divides both the GPUs and the 16 experts.
-    ep = {n: (a := proxy_command(n))[a.index("--expert-model-parallel-size") + 1] for n in ("3", "6", "8")}
-    assert ep == {"3": "1", "6": "2", "8": "4"}
+    # One config per GPU count, expert parallelism = GPUs; other counts are refused by name.
+    ep = {n: (a := proxy_command(n))[a.index("--expert-model-parallel-size") + 1] for n in ("1", "4", "8")}
+    assert ep == {"1": "1", "4": "4", "8": "8"}
+    refused = subprocess.run(["bash", str(PROXY), "3"], capture_output=True, text=True, check=False, timeout=60,
+                             env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable})
+    assert refused.returncode == 2 and "no proxy config for 3 GPU(s)" in refused.stderr
 
 
 def test_refusal_stops_the_run_with_one_sentence(launcher_argv, capsys):

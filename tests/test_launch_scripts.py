@@ -1,0 +1,78 @@
+"""Single-node, multi-node and SLURM launches, checked by dry runs that print the torchrun command."""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "scripts" / "launch.py"
+SBATCH = ROOT / "scripts" / "slurm_launch.sbatch"
+CONFIG_671B = "configs/deepseek_v3_671b/fp4_mla_up_proj.yaml"
+
+
+def _dry_run(config, *extra, **env):
+    run_env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR")}
+    result = subprocess.run([sys.executable, str(LAUNCH), "--dry-run", config, *extra], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT, env={**run_env, **env}, check=False)
+    return result
+
+
+def _torchrun_words(result):
+    assert result.returncode == 0, result.stderr[-2000:]
+    return shlex.split(result.stdout.strip().splitlines()[-1])
+
+
+def test_single_node_standalone_with_run_directory(tmp_path):
+    result = _dry_run("configs/proxy/gpus4.yaml", "--train-iters", "5", RUN_DIR=str(tmp_path / "run"))
+    words = _torchrun_words(result)
+    assert words[:4] == ["torchrun", "--standalone", "--nproc-per-node", "4"]
+    assert words[words.index("--save") + 1] == str(tmp_path / "run" / "checkpoints")
+    assert words[-2:] == ["--train-iters", "5"]
+    assert "NCCL_NVLS_ENABLE=0" in result.stdout and "CUDA_DEVICE_MAX_CONNECTIONS=1" in result.stdout
+    assert not (tmp_path / "run").exists()  # a dry run starts nothing and writes nothing
+
+
+def test_multi_node_uses_c10d_rendezvous():
+    words = _torchrun_words(_dry_run(CONFIG_671B, NNODES="32", MASTER_ADDR="node001", RUN_ID="job42"))
+    assert words[:11] == ["torchrun", "--nnodes", "32", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", "node001:29500", "--rdzv-id", "job42"]
+    assert "--moe-fp4-dispatch" in words
+    assert words[words.index("--expert-model-parallel-size") + 1] == "32"
+
+
+def test_multi_node_refuses_without_rendezvous_id_or_host():
+    no_id = _dry_run(CONFIG_671B, NNODES="2", MASTER_ADDR="node001")
+    assert no_id.returncode == 2 and "needs RUN_ID" in no_id.stderr
+    no_host = _dry_run(CONFIG_671B, NNODES="2", RUN_ID="x")
+    assert no_host.returncode != 0 and "needs MASTER_ADDR" in (no_host.stderr + no_host.stdout)
+
+
+def test_bad_config_is_one_line_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_layer: 2\n")
+    result = _dry_run(str(bad))
+    assert result.returncode == 2 and "did you mean num_layers" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_slurm_wrapper_runs_launch_on_every_node(tmp_path):
+    # Stand-ins for SLURM's commands: scontrol lists the nodes, srun runs the task once (as node 0).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a01\\ngpu-a02\\n'\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nshift\nexec env SLURM_NODEID=0 "$@"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "777", "SLURM_SUBMIT_DIR": str(ROOT), "DRY_RUN": "1",
+           "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(SBATCH), CONFIG_671B, "--train-iters", "3"], capture_output=True,
+                            text=True, timeout=120, env=env, check=False)
+    words = _torchrun_words(result)
+    assert words[1:3] == ["--nnodes", "2"]
+    assert words[words.index("--rdzv-endpoint") + 1] == "gpu-a01:29500"
+    assert words[words.index("--rdzv-id") + 1] == "777"
+    assert words[-2:] == ["--train-iters", "3"]
+    assert "runs/fp4_mla_up_proj_777" in result.stdout

@@ -1,0 +1,100 @@
+"""YAML run configs: includes and overrides, unknown keys with close matches, YAML -> command line ->
+Megatron's parser round trip, and every shipped config loads."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from megatron_fp4.cli import main as cli_main
+from megatron_fp4.run_config import ConfigError, known_flags, load_config, parse_config_argv
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SHIPPED = sorted(CONFIGS.glob("**/*.yaml"))
+ROUND_TRIP = [p for p in SHIPPED if "scopes" not in p.parts]  # scope files are fragments
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _expected(action: argparse.Action, value):
+    """What Megatron's parser should hold for `value` written by the config."""
+    if action.nargs == 0:
+        return action.const
+    convert = action.type or (lambda v: v)
+    if isinstance(value, list) or action.nargs in ("+", "*"):
+        return [convert(str(v)) for v in (value if isinstance(value, list) else [value])]
+    return convert(str(value))
+
+
+def test_include_override_and_switch_off(tmp_path):
+    _write(tmp_path, "base.yaml", "num_layers: 4\nhidden_size: 1024\nmoe_fp4_dispatch: true\n"
+                                  "cluster: {nodes: 2, gpus_per_node: 8, gpu_memory_gib: 80}\n")
+    child = _write(tmp_path, "child.yaml", "include: base.yaml\nnum_layers: 6\nmoe_fp4_dispatch: false\n"
+                                           "recompute_modules: [moe, layernorm]\ncluster: {nodes: 4}\n")
+    config = load_config(child)
+    assert config.argv() == ["--hidden-size", "1024", "--num-layers", "6", "--recompute-modules", "moe", "layernorm"]
+    assert config.cluster == {"nodes": 4, "gpus_per_node": 8, "gpu_memory_gib": 80.0}
+    assert config.world_size() == 32
+    args = parse_config_argv(config)
+    assert (args.num_layers, args.hidden_size, args.moe_fp4_dispatch) == (6, 1024, False)
+    assert args.recompute_modules == ["moe", "layernorm"]
+
+
+def test_unknown_key_names_close_matches(tmp_path):
+    path = _write(tmp_path, "bad.yaml", "num_layer: 4\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'num_layer'.*did you mean num_layers"):
+        load_config(path)
+    path = _write(tmp_path, "bad_fp4.yaml", "moe_fp4_dispach: true\n")
+    with pytest.raises(ConfigError, match="did you mean moe_fp4_dispatch"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="unknown cluster key 'gpus'"):
+        load_config(_write(tmp_path, "bad_cluster.yaml", "cluster: {gpus: 8}\n"))
+
+
+def test_bad_values_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="is a switch"):
+        load_config(_write(tmp_path, "switch.yaml", "bf16: 1\n"))
+    with pytest.raises(ConfigError, match="include cycle"):
+        _write(tmp_path, "a.yaml", "include: b.yaml\n")
+        load_config(_write(tmp_path, "b.yaml", "include: a.yaml\n"))
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(_write(tmp_path, "list.yaml", "- num_layers\n"))
+
+
+@pytest.mark.parametrize("path", ROUND_TRIP, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_shipped_config_round_trips_through_megatrons_parser(path):
+    config = load_config(path)
+    args = parse_config_argv(config)
+    flags = known_flags()
+    for name, value in config.flags.items():
+        if value is None or value is False:
+            continue
+        option, action = flags[name]
+        assert getattr(args, action.dest) == _expected(action, value), f"{path.name}: {name}"
+
+
+def test_671b_configs_are_the_recipe():
+    variants = {p.stem: load_config(p) for p in (CONFIGS / "deepseek_v3_671b").glob("*_*.yaml")}
+    assert len(variants) == 9
+    for name, config in variants.items():
+        args = parse_config_argv(config)
+        assert config.world_size() == 256 and config.cluster["gpu_memory_gib"] == 80
+        assert (args.num_layers, args.hidden_size, args.num_experts, args.moe_router_topk) == (61, 7168, 256, 8)
+        assert args.moe_layer_freq[:3] == [0, 0, 0] and sum(args.moe_layer_freq) == 58
+        assert (args.pipeline_model_parallel_size, args.expert_model_parallel_size) == (8, 32)
+        precision = name.split("_")[0]
+        assert args.moe_fp4_dispatch is (precision == "fp4")
+        assert (args.fp8_recipe == "blockwise") is (precision in ("fp8", "fp4"))
+
+
+def test_cli_prints_the_command_line(tmp_path, capsys):
+    path = _write(tmp_path, "c.yaml", "num_layers: 2\nmoe_fp4_dispatch: true\n")
+    assert cli_main(["argv", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == "--num-layers 2 --moe-fp4-dispatch"
+    assert cli_main(["argv", str(_write(tmp_path, "bad.yaml", "num_layer: 2\n"))]) == 2
