@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from run_info import run_description
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv, description=__doc__):
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--ffn", type=int, default=2048, help="expert FFN hidden size")
     p.add_argument("--experts", type=int, default=32, help="routed experts (divisible by the GPU count)")
@@ -56,10 +56,11 @@ def slowest_median_ms(fn, iters: int, warmup: int) -> float:
     return float(median)
 
 
-def moe_config(args, world: int):
+def moe_config(args, world: int, **extra):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
+        **extra,
         num_layers=1, hidden_size=args.hidden, num_attention_heads=args.hidden // 128, num_moe_experts=args.experts,
         moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn, moe_token_dispatcher_type="alltoall",
         moe_aux_loss_coeff=1e-3, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,

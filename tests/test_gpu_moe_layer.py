@@ -5,7 +5,11 @@ FP8 1x128 rows by the reference). Routing, experts, shared experts and combine a
 computation, so any difference is a bug in packing, the wire, unpacking or the gradient path.
 
 Layouts: EP = 2 (TP 1) and EP = 1 x TP = 2 (sequence parallel), on the first two GPUs; bf16 and
-fp8 gradients; shared expert with and without overlap."""
+fp8 gradients; shared expert with and without overlap.
+
+The recompute cache (--moe-fp4-cache), same machinery: a layer checkpointed with
+recompute_modules ["moe"], four micro-batches in flight, gives bit-identical outputs and gradients
+with the cache on and off, and with it on the recompute sends no forward dispatch (counted)."""
 
 import os
 import tempfile
@@ -61,11 +65,12 @@ def _reference_dispatcher_class(scale_rule, grad_format):
     return ReferenceRoundedDispatcher
 
 
-def _config(tp, ep, overlap):
+def _config(tp, ep, overlap, **extra):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
+        **extra,
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
         moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=512, moe_shared_expert_overlap=overlap,
         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, gated_linear_unit=True,
@@ -139,6 +144,64 @@ def _check_layout(rank, tp, ep, grad_format, overlap):
         parallel_state.destroy_model_parallel()
 
 
+MICRO_BATCHES = 4
+
+
+def _checkpointed_steps(layer, inputs, grads, count_uint8_sends):
+    """Forward all micro-batches first (as a pipeline keeps them in flight), then backward in
+    order; returns outputs, input gradients, parameter gradients and the uint8 all-to-alls (the
+    FP4 forward dispatches, with BF16 gradients) issued during the backward passes (recomputes)."""
+    layer.zero_grad(set_to_none=True)
+    xs = [x.clone().requires_grad_(True) for x in inputs]
+    outs = [layer(x)[0] for x in xs]
+    count_uint8_sends.clear()
+    for out, gy in zip(outs, grads):
+        out.backward(gy)
+    sends_in_backward = count_uint8_sends.count(torch.uint8)
+    params = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    return [o.detach() for o in outs], [x.grad for x in xs], params, sends_in_backward
+
+
+def _check_cache(rank):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_fp4.integration import FP4DispatchOptions
+    from megatron_fp4.integration.standalone import build_moe_layer
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    sends = []
+    real_all_to_all = dist.all_to_all_single
+
+    def counting_all_to_all(output, input, *args, **kwargs):
+        sends.append(input.dtype)
+        return real_all_to_all(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counting_all_to_all
+    try:
+        model_parallel_cuda_manual_seed(1234)
+        config = _config(1, 2, False, recompute_granularity="selective", recompute_modules=["moe"])
+        uncached = build_moe_layer(config, FP4DispatchOptions(cache=False)).cuda()
+        cached = build_moe_layer(config, FP4DispatchOptions(cache=True)).cuda()
+        cached.load_state_dict(uncached.state_dict())
+        assert uncached.moe_layer_recompute and cached.token_dispatcher.recompute_cache is not None
+        pairs = [_inputs(10 * dist.get_rank() + m, 1) for m in range(MICRO_BATCHES)]
+        inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        out_u, dx_u, dw_u, sends_u = _checkpointed_steps(uncached, inputs, grads, sends)
+        out_c, dx_c, dw_c, sends_c = _checkpointed_steps(cached, inputs, grads, sends)
+        where = f"rank {rank} cache"
+        assert sends_u == MICRO_BATCHES, f"{where}: the uncached recompute sent {sends_u} dispatches"
+        assert sends_c == 0, f"{where}: the cached recompute still sent {sends_c} dispatches"
+        assert len(cached.token_dispatcher.recompute_cache) == 0, f"{where}: entries left after backward"
+        for a, b in zip(out_c + dx_c, out_u + dx_u):
+            assert _same_bits(a, b), f"{where}: outputs or input gradients differ"
+        for name, g in dw_u.items():
+            assert _same_bits(dw_c[name], g), f"{where}: gradient of {name} differs"
+    finally:
+        dist.all_to_all_single = real_all_to_all
+        parallel_state.destroy_model_parallel()
+
+
 def _worker(rank, world, init_file, failures):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.cuda.set_device(rank)
@@ -152,12 +215,16 @@ def _worker(rank, world, init_file, failures):
                 _check_layout(rank, *layout)
             except AssertionError as error:
                 failures.put(str(error))
+        try:
+            _check_cache(rank)
+        except AssertionError as error:
+            failures.put(str(error))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_fp4_moe_layer_equals_stock_layer_fed_reference_rounded_tokens():
+def test_fp4_moe_layer_equals_stock_layer_fed_reference_rounded_tokens_and_cache_replays_exactly():
     for knob in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(knob, "0" if knob == "NCCL_NVLS_ENABLE" else "1")
     context = mp.get_context("spawn")

@@ -59,3 +59,13 @@ def test_installed_megatron_core_is_supported():
     import megatron.core
 
     check_fp4_dispatch_supported(_config(), megatron_core_version=megatron.core.__version__, cuda_available=True)
+
+
+def test_cache_flag_needs_dispatch_and_moe_recompute():
+    args = _parse(["--moe-fp4-cache"])
+    assert args.moe_fp4_cache is True and _parse([]).moe_fp4_cache is False
+    with pytest.raises(FP4DispatchUnsupported, match="--moe-fp4-cache needs --moe-fp4-dispatch"):
+        _check(_config(moe_fp4_dispatch=False, moe_fp4_cache=True))
+    with pytest.raises(FP4DispatchUnsupported, match="--recompute-modules moe"):
+        _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["mlp"]))
+    _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["moe", "layernorm"]))

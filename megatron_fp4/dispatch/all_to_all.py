@@ -21,7 +21,7 @@ from .options import GRAD_FORMATS
 from .wire import pack_fp8_rows, unpack_fp8_rows
 
 
-def _all_to_all_rows(rows: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
+def all_to_all_rows(rows: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
     """all_to_all_single of whole rows; the output lives on the input's device. A group of one
     rank has nothing to exchange: the rows are returned as they are."""
     if dist.get_world_size(group) == 1:
@@ -40,22 +40,26 @@ class _FP4DispatchAllToAll(torch.autograd.Function):
         ctx.input_dtype = tokens.dtype
         hidden = tokens.shape[1]
         sent = quantize_mxfp4(tokens, scale_rule)
-        received = MXFP4Tensor(_all_to_all_rows(sent.rows, output_splits, input_splits, group), hidden, scale_rule)
+        received = MXFP4Tensor(all_to_all_rows(sent.rows, output_splits, input_splits, group), hidden, scale_rule)
         ctx.mark_non_differentiable(received.rows)
         # MXFP4 values are exact in BF16 and in FP32 (same exponent range).
         return dequantize_mxfp4(received).to(tokens.dtype), received.rows
 
     @staticmethod
     def backward(ctx, grad_output, _grad_rows):
-        output_splits, input_splits = ctx.splits
-        hidden = grad_output.shape[1]
-        if ctx.grad_format == "bf16":
-            grad = _all_to_all_rows(grad_output.to(torch.bfloat16), input_splits, output_splits, ctx.group)
-        else:
-            wire = pack_fp8_rows(quantize_fp8_rows(grad_output.contiguous()))
-            received = _all_to_all_rows(wire, input_splits, output_splits, ctx.group)
-            grad = dequantize_fp8(unpack_fp8_rows(received, hidden))
+        grad = send_gradient_back(grad_output, ctx.splits, ctx.group, ctx.grad_format)
         return grad.to(ctx.input_dtype), None, None, None, None, None
+
+
+def send_gradient_back(grad_output: torch.Tensor, splits, group, grad_format: str) -> torch.Tensor:
+    """The received tokens' gradient back to their senders (splits = the forward's (output, input)),
+    BF16 or FP8 1x128 rows on the wire; returns BF16 rows in the senders' token order."""
+    output_splits, input_splits = splits
+    if grad_format == "bf16":
+        return all_to_all_rows(grad_output.to(torch.bfloat16), input_splits, output_splits, group)
+    wire = pack_fp8_rows(quantize_fp8_rows(grad_output.contiguous()))
+    received = all_to_all_rows(wire, input_splits, output_splits, group)
+    return dequantize_fp8(unpack_fp8_rows(received, grad_output.shape[1]))
 
 
 def fp4_dispatch_all_to_all(
@@ -89,4 +93,4 @@ def fp4_dispatch_all_to_all(
     return received, MXFP4Tensor(rows, tokens.shape[1], scale_rule)
 
 
-__all__ = ["GRAD_FORMATS", "fp4_dispatch_all_to_all"]
+__all__ = ["GRAD_FORMATS", "all_to_all_rows", "fp4_dispatch_all_to_all", "send_gradient_back"]

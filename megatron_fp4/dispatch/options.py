@@ -11,10 +11,12 @@ GRAD_FORMATS = ("bf16", "fp8")
 @dataclass(frozen=True)
 class FP4DispatchOptions:
     """scale_rule: MXFP4 block scale rule ("ceil" never clips; "floor" is OCP's).
-    grad_format: the gradient's format on the reversed all-to-all ("bf16" exact, or "fp8" 1x128)."""
+    grad_format: the gradient's format on the reversed all-to-all ("bf16" exact, or "fp8" 1x128).
+    cache: keep a checkpointed MoE layer's received payload for its recompute (--moe-fp4-cache)."""
 
     scale_rule: str = "ceil"
     grad_format: str = "bf16"
+    cache: bool = False
 
     def __post_init__(self):
         check_scale_rule(self.scale_rule)
@@ -30,6 +32,7 @@ class FP4DispatchOptions:
         return cls(
             scale_rule=getattr(args, "moe_fp4_scale_rule", SCALE_RULES[0]),
             grad_format=getattr(args, "moe_fp4_dispatch_grad", GRAD_FORMATS[0]),
+            cache=bool(getattr(args, "moe_fp4_cache", False)),
         )
 
 

@@ -13,9 +13,13 @@ from typing import List, Optional
 from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+import torch
+
 from ..formats import FP8_BLOCK
 from .all_to_all import fp4_dispatch_all_to_all
+from .cache import CachedDispatch, DispatchCache
 from .options import FP4DispatchOptions
+from .replay import replay_rows, replay_tokens
 
 
 def _host_splits(splits) -> List[int]:
@@ -37,6 +41,10 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if config.hidden_size % FP8_BLOCK:
             raise ValueError(f"the FP4 dispatcher needs hidden_size divisible by {FP8_BLOCK}, got {config.hidden_size}")
         self.fp4_options = options if options is not None else FP4DispatchOptions()
+        # With --moe-fp4-cache: the recompute cache, and the micro-batch the layer is running (set by
+        # FP4MoELayer when its forward is checkpointed; None otherwise, and then nothing is cached).
+        self.recompute_cache = DispatchCache(f"MoE experts {local_expert_indices[0]}..") if self.fp4_options.cache else None
+        self.micro_batch_key = None
 
     def _splits(self, num_tokens: int):
         """(output_splits, input_splits) as host lists. The parent leaves them None with a single
@@ -46,12 +54,22 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return [share] * self.ep_size, [share] * self.ep_size
         return _host_splits(self.output_splits), _host_splits(self.input_splits)
 
+    def _cache_role(self) -> str:
+        """'record' in a checkpointed layer's first (no-grad) pass, 'replay' in its recompute."""
+        if self.recompute_cache is None or self.micro_batch_key is None:
+            return "none"
+        return "replay" if torch.is_grad_enabled() else "record"
+
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
         output_splits, input_splits = self._splits(permutated_local_input_tokens.shape[0])
-        global_input_tokens, _payload = fp4_dispatch_all_to_all(
+        role = self._cache_role()
+        if role == "replay":
+            return self._replay_dispatch(permutated_local_input_tokens, permuted_probs, output_splits, input_splits)
+
+        global_input_tokens, payload = fp4_dispatch_all_to_all(
             permutated_local_input_tokens,
             output_splits,
             input_splits,
@@ -64,6 +82,23 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         global_probs = all_to_all(
             self.ep_group, permuted_probs, self.output_splits, self.input_splits, use_nccl_stream=self.use_nccl_stream
         )
+        if role == "record":
+            entry = CachedDispatch(payload, global_probs, tuple(output_splits), tuple(input_splits))
+            self.recompute_cache.store(self.micro_batch_key, entry)
+        return global_input_tokens, global_probs
+
+    def _replay_dispatch(self, permutated_local_input_tokens, permuted_probs, output_splits, input_splits):
+        """The recompute pass: what the first pass received, from the cache; no forward all-to-all.
+        The gradients still go back through the reversed all-to-alls in backward."""
+        hidden = permutated_local_input_tokens.shape[1]
+        entry = self.recompute_cache.take(self.micro_batch_key, output_splits, input_splits, hidden)
+        global_input_tokens = replay_tokens(
+            permutated_local_input_tokens, entry.payload, output_splits, input_splits, self.ep_group,
+            self.fp4_options.grad_format,
+        )
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
+        global_probs = replay_rows(permuted_probs, entry.probs, output_splits, input_splits, self.ep_group)
         return global_input_tokens, global_probs
 
 

@@ -2,7 +2,7 @@
 sentence that says what and why.
 
 `add_fp4_args` has the signature of Megatron's `extra_args_provider`; YAML configs use the same
-names with underscores (moe_fp4_dispatch, moe_fp4_dispatch_grad, moe_fp4_scale_rule).
+names with underscores (moe_fp4_dispatch, moe_fp4_dispatch_grad, moe_fp4_scale_rule, moe_fp4_cache).
 """
 
 import argparse
@@ -43,6 +43,13 @@ def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="MXFP4 block scale: ceil (default; 2^ceil(log2(amax/6)), never clips) or floor (OCP: "
         "2^(floor(log2(amax)) - 2), saturates at 6).",
     )
+    group.add_argument(
+        "--moe-fp4-cache",
+        action="store_true",
+        help="With --recompute-modules moe: keep each MoE layer's received MXFP4 payload (26.6%% of the "
+        "BF16 bytes) from its first pass, so that the recompute does not send the dispatch again. The "
+        "gradient all-to-all still runs. Needs --moe-fp4-dispatch. Off by default.",
+    )
     return parser
 
 
@@ -59,6 +66,8 @@ def check_fp4_dispatch_supported(args, megatron_core_version: Optional[str] = No
     """Raise FP4DispatchUnsupported if `args` (Megatron's parsed arguments, or any object with the
     same attribute names) asks for FP4 dispatch in a configuration it cannot serve."""
     if not getattr(args, "moe_fp4_dispatch", False):
+        if getattr(args, "moe_fp4_cache", False):
+            raise FP4DispatchUnsupported("--moe-fp4-cache needs --moe-fp4-dispatch: it caches the FP4 dispatch's payload.")
         return
     if megatron_core_version is None:
         import megatron.core
@@ -89,6 +98,13 @@ def check_fp4_dispatch_supported(args, megatron_core_version: Optional[str] = No
         raise FP4DispatchUnsupported(
             "--moe-fp4-dispatch does not support expert tensor parallelism yet "
             f"(--expert-tensor-parallel-size {args.expert_tensor_parallel_size}): use expert parallelism instead."
+        )
+    if getattr(args, "moe_fp4_cache", False) and not (
+        getattr(args, "recompute_granularity", None) == "selective" and "moe" in (getattr(args, "recompute_modules", None) or [])
+    ):
+        raise FP4DispatchUnsupported(
+            "--moe-fp4-cache serves only the recompute of whole MoE layers: add --recompute-granularity selective "
+            "--recompute-modules moe (...), or drop --moe-fp4-cache."
         )
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()

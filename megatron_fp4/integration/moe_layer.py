@@ -14,6 +14,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ..dispatch.cache import MicroBatchKey
 from ..dispatch.options import FP4DispatchOptions
 from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
 
@@ -44,6 +45,15 @@ class FP4MoELayer(MoELayer):
         )
         if self.shared_experts is not None and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
+
+    def route(self, hidden_states, *args, **kwargs):
+        # Both passes of a checkpointed layer route the same input storage (the recompute gets the
+        # saved input back, detached): that names the micro-batch for the dispatcher's cache.
+        dispatcher = self.token_dispatcher
+        if dispatcher.recompute_cache is not None:
+            checkpointed = getattr(self, "moe_layer_recompute", False) and self.training
+            dispatcher.micro_batch_key = MicroBatchKey.of(hidden_states) if checkpointed else None
+        return super().route(hidden_states, *args, **kwargs)
 
 
 def _swap_moe_layers(node, options: FP4DispatchOptions, seen: dict):

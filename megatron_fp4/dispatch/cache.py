@@ -1,0 +1,88 @@
+"""The recompute cache: what a checkpointed MoE layer's first (no-grad) pass received through the
+FP4 dispatch, kept for its recompute pass so that the dispatch is not sent twice (issue 5).
+
+One cache per MoE layer. An entry is keyed by the micro-batch: the storage address and shape of
+the layer's input, which Megatron's checkpoint keeps alive between the two passes and hands back
+(detached, same storage) to the recompute, so several micro-batches in flight (pipeline
+parallelism, virtual stages) each find their own. The recompute takes its entry out (freed as soon
+as its backward has used it); nothing survives a step. A missing, duplicated or mismatched entry
+is an error, never a silently wrong tensor.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..tensors import MXFP4Tensor
+
+
+class DispatchCacheError(RuntimeError):
+    """The cache cannot serve this recompute correctly."""
+
+
+@dataclass(frozen=True)
+class MicroBatchKey:
+    """Which micro-batch: the MoE layer input's storage address and shape."""
+
+    data_ptr: int
+    shape: tuple
+
+    @classmethod
+    def of(cls, layer_input: torch.Tensor) -> "MicroBatchKey":
+        return cls(layer_input.data_ptr(), tuple(layer_input.shape))
+
+
+@dataclass
+class CachedDispatch:
+    """What the first pass received: the MXFP4 payload, the routing probs, and the splits they
+    were sent with (the recompute recomputes the splits and must find the same)."""
+
+    payload: MXFP4Tensor
+    probs: torch.Tensor
+    output_splits: tuple
+    input_splits: tuple
+
+    def nbytes(self) -> int:
+        return self.payload.rows.numel() * self.payload.rows.element_size() + self.probs.numel() * self.probs.element_size()
+
+
+class DispatchCache:
+    def __init__(self, name: str = "MoE layer"):
+        self.name = name
+        self._entries = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def nbytes(self) -> int:
+        return sum(entry.nbytes() for entry in self._entries.values())
+
+    def store(self, key: MicroBatchKey, entry: CachedDispatch) -> None:
+        if key in self._entries:
+            raise DispatchCacheError(
+                f"{self.name}: a dispatch is already cached for this micro-batch ({key}): its recompute "
+                "never ran, so the entry is stale; was backward skipped after a checkpointed forward?"
+            )
+        self._entries[key] = entry
+
+    def take(self, key: MicroBatchKey, output_splits, input_splits, hidden: int) -> CachedDispatch:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            raise DispatchCacheError(
+                f"{self.name}: no cached dispatch for this micro-batch ({key}); {len(self)} other(s) cached. "
+                "The recompute pass did not see the input its first pass saw."
+            )
+        splits = (tuple(output_splits), tuple(input_splits))
+        if (entry.output_splits, entry.input_splits) != splits or entry.payload.hidden != hidden:
+            raise DispatchCacheError(
+                f"{self.name}: the cached dispatch does not match the recompute (splits "
+                f"{(entry.output_splits, entry.input_splits)} vs {splits}, hidden {entry.payload.hidden} vs "
+                f"{hidden}): routing changed between the passes"
+            )
+        return entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+__all__ = ["CachedDispatch", "DispatchCache", "DispatchCacheError", "MicroBatchKey"]

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""The recompute cache (--moe-fp4-cache) on a checkpointed MoE layer, in one torchrun job (issue 5).
+
+    torchrun --nproc-per-node 2 scripts/bench_moe_cache.py --experts 16
+    torchrun --nproc-per-node 4 scripts/bench_moe_cache.py               # 32 experts over EP 4
+
+DeepSeek-V3 layer dimensions by default (as bench_moe_layer.py), FP4 dispatch, BF16 experts. Rows:
+no recompute; recompute_modules ["moe"] with the cache off; with it on. Columns: forward+backward
+time (slowest rank's median), bytes the layer holds between forward and backward (allocated after
+forward minus before, output included), and the cache's own bytes against the BF16 bytes of the
+dispatched tokens. Also the forward FP4 dispatch alone, the time the cache should save.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from bench_moe_layer import parse_args, permuted_tokens_and_splits, slowest_median_ms
+from bench_moe_layer import moe_config as layer_config
+from run_info import run_description
+
+
+def held_bytes(layer, x, grad):
+    """Bytes allocated by the forward and kept until backward (then runs the backward)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    inp = x.detach().requires_grad_(True)
+    out, _ = layer(inp)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    dispatcher = layer.token_dispatcher
+    cache_bytes = dispatcher.recompute_cache.nbytes() if dispatcher.recompute_cache is not None else 0
+    out.backward(grad)
+    return held, cache_bytes
+
+
+def step(layer, x, grad):
+    def run():
+        out, _ = layer(x.detach().requires_grad_(True))
+        out.backward(grad)
+    return run
+
+
+def max_over_ranks(value: float) -> float:
+    t = torch.tensor([float(value)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv, description=__doc__)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_fp4.dispatch import FP4DispatchOptions, fp4_dispatch_all_to_all
+    from megatron_fp4.integration.standalone import build_moe_layer
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world, expert_tensor_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(run_description())
+    log(f"EP {world}, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, expert FFN {args.ffn}, "
+        f"{args.tokens} tokens per GPU, FP4 dispatch, BF16 experts")
+
+    plain = layer_config(args, world)
+    checkpointed = layer_config(args, world, recompute_granularity="selective", recompute_modules=["moe"])
+    layers = {
+        "no recompute": build_moe_layer(plain, FP4DispatchOptions(grad_format=args.grad)).cuda(),
+        "recompute moe, cache off": build_moe_layer(checkpointed, FP4DispatchOptions(grad_format=args.grad)).cuda(),
+        "recompute moe, cache on": build_moe_layer(checkpointed, FP4DispatchOptions(grad_format=args.grad, cache=True)).cuda(),
+    }
+    reference = layers["no recompute"].state_dict()
+    for layer in layers.values():
+        layer.load_state_dict(reference)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=g).bfloat16()
+    grad = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+
+    tokens, output_splits, input_splits = permuted_tokens_and_splits(layers["no recompute"], x)
+    group = parallel_state.get_expert_model_parallel_group()
+    dispatch_ms = slowest_median_ms(lambda: fp4_dispatch_all_to_all(tokens, output_splits, input_splits, group),
+                                    args.iters, args.warmup)
+    received_bf16_bytes = max_over_ranks(sum(output_splits) * args.hidden * 2)
+
+    rows = {}
+    for name, layer in layers.items():
+        ms = slowest_median_ms(step(layer, x, grad), args.iters, args.warmup)
+        held, cache_bytes = held_bytes(layer, x, grad)
+        rows[name] = (ms, max_over_ranks(held), max_over_ranks(cache_bytes))
+
+    log("\n| MoE layer | forward+backward (ms) | held forward->backward (MiB) | cache (MiB) | cache / BF16 dispatched |")
+    log("| --- | ---: | ---: | ---: | ---: |")
+    for name, (ms, held, cache_bytes) in rows.items():
+        log(f"| {name} | {ms:.3f} | {held / 2**20:.1f} | {cache_bytes / 2**20:.1f} | "
+            f"{cache_bytes / received_bf16_bytes:.1%} |")
+    log(f"\nforward FP4 dispatch alone: {dispatch_ms:.3f} ms; BF16 bytes of the dispatched tokens "
+        f"{received_bf16_bytes / 2**20:.1f} MiB (max over ranks)")
+    saved = rows["recompute moe, cache off"][0] - rows["recompute moe, cache on"][0]
+    ratio = rows["recompute moe, cache on"][2] / received_bf16_bytes
+    log(f"Bars: cache saves {saved:.3f} ms >= 90% of the dispatch {0.9 * dispatch_ms:.3f} ms "
+        f"({'met' if saved >= 0.9 * dispatch_ms else 'MISSED'}); cache {ratio:.1%} <= 27% "
+        f"({'met' if ratio <= 0.27 else 'MISSED'})")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

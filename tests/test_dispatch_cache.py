@@ -1,0 +1,136 @@
+"""The recompute cache: bookkeeping on fake payloads (keyed per micro-batch, freed when taken, stale /
+missing / mismatched entries refused), and the replay on gloo (2 ranks): the same values and
+gradients as sending again, with no forward all-to-all."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_fp4.dispatch.cache import CachedDispatch, DispatchCache, DispatchCacheError, MicroBatchKey
+from megatron_fp4.formats import mxfp4_wire_bytes_per_row
+from megatron_fp4.tensors import MXFP4Tensor
+
+HIDDEN = 256
+
+
+def _entry(tokens: int, splits=((3, 2), (4, 1)), hidden: int = HIDDEN):
+    rows = torch.randint(0, 255, (tokens, mxfp4_wire_bytes_per_row(hidden)), dtype=torch.uint8)
+    return CachedDispatch(MXFP4Tensor(rows, hidden), torch.rand(tokens, 1), *splits)
+
+
+def test_keyed_per_micro_batch_and_freed_when_taken():
+    cache = DispatchCache("layer 3")
+    inputs = [torch.zeros(8, 2, HIDDEN) for _ in range(3)]  # three micro-batches in flight
+    entries = [_entry(5) for _ in inputs]
+    for x, entry in zip(inputs, entries):
+        cache.store(MicroBatchKey.of(x), entry)
+    assert len(cache) == 3 and cache.nbytes() == 3 * entries[0].nbytes()
+    # The recompute of micro-batch 1 comes first here (any order works), through a detached view.
+    assert cache.take(MicroBatchKey.of(inputs[1].detach()), (3, 2), (4, 1), HIDDEN) is entries[1]
+    assert cache.take(MicroBatchKey.of(inputs[0]), [3, 2], [4, 1], HIDDEN) is entries[0]
+    assert cache.take(MicroBatchKey.of(inputs[2]), (3, 2), (4, 1), HIDDEN) is entries[2]
+    assert len(cache) == 0 and cache.nbytes() == 0
+
+
+def test_stale_missing_and_mismatched_entries_are_refused():
+    cache = DispatchCache("layer 3")
+    x = torch.zeros(8, 2, HIDDEN)
+    cache.store(MicroBatchKey.of(x), _entry(5))
+    with pytest.raises(DispatchCacheError, match="stale"):
+        cache.store(MicroBatchKey.of(x), _entry(5))
+    with pytest.raises(DispatchCacheError, match="no cached dispatch"):
+        cache.take(MicroBatchKey.of(torch.zeros(8, 2, HIDDEN)), (3, 2), (4, 1), HIDDEN)
+    with pytest.raises(DispatchCacheError, match="does not match"):
+        cache.take(MicroBatchKey.of(x), (2, 3), (4, 1), HIDDEN)
+    assert len(cache) == 0  # a refused entry is dropped, never served later
+    cache.store(MicroBatchKey.of(x), _entry(5))
+    with pytest.raises(DispatchCacheError, match="hidden"):
+        cache.take(MicroBatchKey.of(x), (3, 2), (4, 1), 2 * HIDDEN)
+
+
+def test_cache_holds_under_27_percent_of_the_bf16_tokens():
+    tokens, hidden = 64, 7168
+    entry = _entry(tokens, hidden=hidden)  # fp32 probs, one per dispatched token
+    bf16_bytes = tokens * hidden * 2
+    assert entry.nbytes() == tokens * (hidden // 2 + hidden // 32 + 4)
+    assert entry.nbytes() / bf16_bytes < 0.27
+
+
+class _ProbsAllToAll(torch.autograd.Function):
+    """What Megatron's all_to_all does with the probs (its own needs CUDA): rows out, gradient back."""
+
+    @staticmethod
+    def forward(ctx, rows, output_splits, input_splits):
+        from megatron_fp4.dispatch.all_to_all import all_to_all_rows
+
+        ctx.splits = (output_splits, input_splits)
+        return all_to_all_rows(rows, output_splits, input_splits, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron_fp4.dispatch.all_to_all import all_to_all_rows
+
+        output_splits, input_splits = ctx.splits
+        return all_to_all_rows(grad.contiguous(), input_splits, output_splits, None), None, None
+
+
+def _worker(rank: int, world: int, init_file: str, grad_format: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    from megatron_fp4.dispatch import fp4_dispatch_all_to_all
+    from megatron_fp4.dispatch.replay import replay_rows, replay_tokens
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    calls = []
+    real_all_to_all = dist.all_to_all_single
+
+    def counting_all_to_all(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real_all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = counting_all_to_all
+    try:
+        g = torch.Generator().manual_seed(rank)
+        input_splits = [[3, 5], [4, 0]][rank]
+        output_splits = [[3, 4], [5, 0]][rank]
+        tokens = (torch.randn(sum(input_splits), HIDDEN, generator=g) * 8).bfloat16()
+        probs = torch.rand(sum(input_splits), generator=g)
+        grad = torch.randn(sum(output_splits), HIDDEN, generator=g).bfloat16()
+        grad_probs = torch.rand(sum(output_splits), generator=g)
+
+        def dispatch(replay_from=None):
+            t, p = tokens.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+            if replay_from is None:
+                received, payload = fp4_dispatch_all_to_all(t, output_splits, input_splits, grad_format=grad_format)
+                received_probs = _ProbsAllToAll.apply(p, output_splits, input_splits)
+            else:
+                payload, cached_probs = replay_from
+                received = replay_tokens(t, payload, output_splits, input_splits, dist.group.WORLD, grad_format)
+                received_probs = replay_rows(p, cached_probs, output_splits, input_splits, dist.group.WORLD)
+            forward_calls = len(calls)
+            torch.autograd.backward([received, received_probs], [grad, grad_probs])
+            return received.detach(), payload, received_probs.detach(), t.grad, p.grad, forward_calls
+
+        sent = dispatch()
+        calls.clear()
+        replayed = dispatch(replay_from=(sent[1], sent[2]))
+        assert replayed[5] == 0, "the replay sent something forward"
+        assert len(calls) == 2, f"backward should send the two gradients back, sent {len(calls)}"
+        assert torch.equal(replayed[0].view(torch.int16), sent[0].view(torch.int16))
+        assert torch.equal(replayed[2], sent[2])
+        assert torch.equal(replayed[3].view(torch.int16), sent[3].view(torch.int16))
+        assert torch.equal(replayed[4], sent[4])
+    finally:
+        dist.all_to_all_single = real_all_to_all
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("grad_format", ["bf16", "fp8"])
+def test_replay_equals_sending_again_without_forward_all_to_all(grad_format):
+    if torch.cuda.is_available():
+        pytest.skip("the gloo test runs on CPU machines; the GPU path is tested through the MoE layer")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), grad_format), nprocs=2, join=True)
