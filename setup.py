@@ -7,6 +7,8 @@ setup(
     packages=find_packages(include=["megatron_fp4", "megatron_fp4.*"]),
     python_requires=">=3.12",
     install_requires=["torch>=2.11", "triton>=3.6", "megatron-core>=0.17", "pyyaml"],
+    # The patches for Megatron-LM forks ship inside the package (megatron-fp4 patch finds them there).
+    package_data={"megatron_fp4.patching": ["patches/*/*.patch"]},
     entry_points={"console_scripts": ["megatron-fp4 = megatron_fp4.cli:main"]},
     extras_require={
         "test": ["pytest>=8", "numpy"],

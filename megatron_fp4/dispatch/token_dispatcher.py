@@ -17,7 +17,7 @@ import torch
 
 from ..formats import FP8_BLOCK
 from .all_to_all import fp4_dispatch_all_to_all
-from .cache import CachedDispatch, DispatchCache
+from .cache import CachedDispatch, DispatchCache, DispatchCacheError
 from .options import FP4DispatchOptions
 from .replay import replay_rows, replay_tokens
 
@@ -45,6 +45,7 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         # FP4MoELayer when its forward is checkpointed; None otherwise, and then nothing is cached).
         self.recompute_cache = DispatchCache(f"MoE experts {local_expert_indices[0]}..") if self.fp4_options.cache else None
         self.micro_batch_key = None
+        self.layer_names_micro_batches = False  # FP4MoELayer sets it; a patched stock MoELayer does not
 
     def _splits(self, num_tokens: int):
         """(output_splits, input_splits) as host lists. The parent leaves them None with a single
@@ -56,7 +57,14 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def _cache_role(self) -> str:
         """'record' in a checkpointed layer's first (no-grad) pass, 'replay' in its recompute."""
-        if self.recompute_cache is None or self.micro_batch_key is None:
+        if self.recompute_cache is None:
+            return "none"
+        if not self.layer_names_micro_batches:
+            raise DispatchCacheError(
+                "--moe-fp4-cache needs the plugin's FP4MoELayer (use_fp4_dispatch or scripts/pretrain_gpt_fp4.py), "
+                "which tells the dispatcher which micro-batch runs; a patched Megatron MoELayer does not"
+            )
+        if self.micro_batch_key is None:
             return "none"
         return "replay" if torch.is_grad_enabled() else "record"
 

@@ -43,6 +43,7 @@ class FP4MoELayer(MoELayer):
             pg_collection=pg_collection,
             options=fp4_options,
         )
+        self.token_dispatcher.layer_names_micro_batches = True  # see route()
         if self.shared_experts is not None and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
 

@@ -1,0 +1,200 @@
+"""Saved activations of one micro-batch, per layer, in bytes: an inventory of the tensors autograd
+keeps between a layer's forward and its backward, read off Megatron-Core 0.19's modules.
+
+Conventions: T tokens per micro-batch on this GPU, h hidden size, model dtype bf16 (2 bytes).
+A tensor several consumers save is counted once; an FP8 GEMM keeps its own FP8 copy of its input
+(Transformer Engine saves the quantized input for the weight gradient), so under FP8 a LayerNorm
+output read by two GEMMs costs two FP8 copies, and an attention output kept in BF16 by the fused
+attention and in FP8 by the output projection costs both. Routed experts see k*T rows per GPU
+(balanced routing: each GPU receives on average what it sends). Dropout is 0 in these configs, so
+no masks are kept.
+
+Each function returns {component: bytes}; `recompute` drops what Megatron recomputes.
+"""
+
+from dataclasses import dataclass
+
+from .precision import MXFP4_BYTES, Precision
+from .recompute import NONE, Recompute
+from .shapes import DENSE, MOE, ModelShape, Parallel
+
+
+@dataclass(frozen=True)
+class Ctx:
+    s: ModelShape
+    par: Parallel
+    p: Precision
+    rc: Recompute
+    tokens: int  # per micro-batch on this GPU
+    rope: bool
+    softmax_fp32: bool
+    ce_bytes: float  # bytes per vocab entry the cross entropy saves (fp32 softmax: 4)
+    bias: bool
+
+    @property
+    def resid(self) -> float:
+        """Tokens of a residual-stream tensor (split over TP under sequence parallelism)."""
+        return self.tokens / (self.par.tp if self.par.sequence_parallel else 1)
+
+    def with_recompute(self, rc: Recompute) -> "Ctx":
+        return Ctx(self.s, self.par, self.p, rc, self.tokens, self.rope, self.softmax_fp32, self.ce_bytes, self.bias)
+
+
+def _core_attention(c: Ctx, heads: float, v_dim: int) -> dict:
+    """The core attention's own saves besides its inputs (dropped by core_attn recompute)."""
+    if "core_attn" in c.rc:
+        return {}
+    b, s = c.s.micro_batch, c.s.seq_length // c.par.cp
+    if c.s.te:  # fused attention: output (bf16) and log-sum-exp (fp32)
+        return {"attn_out_bf16": c.tokens * heads * v_dim * c.p.model_bytes, "attn_lse": c.tokens * heads * 4}
+    probs = b * heads * s * s  # unfused: softmax probabilities [b, heads, s, s]
+    per = c.p.model_bytes + (4 if c.softmax_fp32 else 0)  # fp32 softmax keeps its fp32 output too
+    return {"attn_probs": probs * per, "attn_mask": s * s}
+
+
+def standard_attention(c: Ctx) -> dict:
+    s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
+    heads, groups, d = s.heads / tp, s.query_groups / tp, s.head_dim
+    out = {"layer_input": c.resid * s.hidden * mb}
+    if s.te:  # input layernorm fused into the QKV GEMM: it keeps its LN output itself
+        out["qkv_in"] = c.resid * s.hidden * c.p.gemm_input_bytes
+    elif "layernorm" not in c.rc:
+        out["qkv_in"] = c.resid * s.hidden * mb
+    # q, k, v are views into the fused QKV output; RoPE makes new q and k. Local attention repeats
+    # k and v to every head under grouped-query attention (new tensors), fused attention does not.
+    repeat = not s.te and s.query_groups != s.heads
+    if repeat:
+        out["k_v_repeated"] = 2 * T * heads * d * mb
+    if not repeat or not c.rope:  # a view (v, or q without RoPE) keeps the QKV output alive
+        out["qkv_out"] = T * (heads + 2 * groups) * d * mb
+    if c.rope:
+        out["q_rope"] = T * heads * d * mb
+        if not repeat:
+            out["k_rope"] = T * groups * d * mb
+    out.update(_core_attention(c, heads, d))
+    if c.p.fp8 or "attn_out_bf16" not in out:  # the output projection's input, unless the same tensor
+        out["proj_in"] = T * heads * d * (c.p.gemm_input_bytes if c.p.fp8 else mb)
+    return out
+
+
+def mla_attention(c: Ctx) -> dict:
+    s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
+    heads = s.heads / tp
+    q_head = s.qk_head_dim + s.qk_rope_dim
+    out = {"layer_input": c.resid * s.hidden * mb}
+    if "layernorm" not in c.rc:  # input layernorm output, read by the q and kv down-projections
+        out["down_in"] = c.resid * s.hidden * (2 * c.p.fp8_act_bytes if c.p.fp8 else mb)
+    compressed = T * ((s.q_lora_rank or 0) + s.kv_lora_rank + s.qk_rope_dim) * mb
+    up = "mla_up_proj" not in c.rc
+    if s.qk_layernorm or not up or not c.p.fp8:
+        # the up-projections' input (or their LayerNorms' input, or the recompute's checkpoint input)
+        out["q_kv_compressed"] = compressed
+    if up:
+        if s.qk_layernorm or c.p.fp8:  # LayerNorm outputs, or the FP8 GEMMs' own copies of their inputs
+            out["up_in"] = T * ((s.q_lora_rank or 0) + s.kv_lora_rank) * c.p.gemm_input_bytes
+        out["q"] = T * heads * q_head * mb
+        out["k"] = T * heads * q_head * mb
+        out["v"] = T * heads * s.v_head_dim * mb
+    out.update(_core_attention(c, heads, s.v_head_dim))
+    if c.p.fp8 or "attn_out_bf16" not in out:  # the output projection's own copy
+        out["proj_in"] = T * heads * s.v_head_dim * (c.p.gemm_input_bytes if c.p.fp8 else mb)
+    return out
+
+
+def dense_mlp(c: Ctx) -> dict:
+    s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
+    ffn = s.ffn_hidden / tp
+    out = {"mlp_input": c.resid * s.hidden * mb}
+    recompute = "mlp" in c.rc
+    if s.te:  # pre-MLP layernorm fused into fc1: fc1 keeps the LN output
+        if not recompute:
+            out["fc1_in"] = c.resid * s.hidden * c.p.gemm_input_bytes
+    elif "layernorm" not in c.rc:
+        out["fc1_in"] = c.resid * s.hidden * mb  # also the mlp checkpoint's input
+    if not recompute:
+        out["fc1_out"] = T * s.fc1_factor * ffn * mb
+        out["fc2_in"] = T * ffn * (c.p.gemm_input_bytes if c.p.fp8 else mb)
+    return out
+
+
+def expert_rows(c: Ctx) -> float:
+    """Rows the routed experts of one GPU process per micro-batch (balanced routing)."""
+    return c.tokens * c.s.topk
+
+
+def moe_mlp(c: Ctx) -> dict:
+    s, tp, mb, p = c.s, c.par.tp, c.p.model_bytes, c.p
+    h = s.hidden
+    out = {"mlp_input": c.resid * h * mb}
+    rows = expert_rows(c)
+    ln_dropped = "layernorm" in c.rc
+    if "moe" in c.rc:
+        if not ln_dropped:
+            out["moe_checkpoint_in"] = c.resid * h * mb
+        if p.fp4_cache:  # received MXFP4 payload + probs kept for the recompute (no second dispatch)
+            out["fp4_cache"] = rows * (h * MXFP4_BYTES + 4)
+        return out
+    if not ln_dropped:
+        out["router_in"] = c.resid * h * mb  # the router (and a BF16 shared expert) keep the LN output
+    out["router"] = c.tokens * s.experts * 9  # fp32 scores for routing and for the aux loss, bool map
+    out["routing_indices"] = rows * 8
+    if s.shared_ffn_hidden and "shared_experts" not in c.rc:
+        fs = s.shared_ffn_hidden / tp
+        if p.fp8 and not ln_dropped:
+            out["shared_fc1_in"] = c.resid * h * p.fp8_act_bytes
+        out["shared_fc1_out"] = c.tokens * s.fc1_factor * fs * mb
+        out["shared_fc2_in"] = c.tokens * fs * (p.gemm_input_bytes if p.fp8 else mb)
+    fm = s.moe_ffn_hidden / c.par.etp
+    fp4 = p.fp4_experts
+    out["expert_fc1_in"] = rows * h * (MXFP4_BYTES if fp4 else p.gemm_input_bytes)
+    out["expert_fc1_out"] = rows * s.fc1_factor * fm * (MXFP4_BYTES if fp4 else mb)
+    if "moe_act" not in c.rc:
+        out["expert_fc2_in"] = rows * fm * (MXFP4_BYTES if fp4 else p.gemm_input_bytes)
+    out["expert_probs"] = rows * 4
+    return out
+
+
+def layer(c: Ctx, kind: str) -> dict:
+    """One decoder layer (or an MTP layer's transformer layer)."""
+    if c.rc.granularity == "full":
+        return {"layer_input": c.resid * c.s.hidden * c.p.model_bytes / c.rc.num_layers}
+    out = mla_attention(c) if c.s.mla else standard_attention(c)
+    for key, value in (dense_mlp(c) if kind == DENSE else moe_mlp(c)).items():
+        out[key] = out.get(key, 0) + value
+    return out
+
+
+def mtp_extras(c: Ctx) -> dict:
+    """An MTP layer around its transformer layer: normed embedding / hidden inputs, their
+    concatenation (eh_proj's input) and the MTP final layernorm's input."""
+    h, mb = c.s.hidden, c.p.model_bytes
+    return {"mtp_norm_inputs": 2 * c.resid * h * mb,
+            "eh_proj_in": c.resid * 2 * h * (c.p.gemm_input_bytes if c.p.fp8 and c.s.te else mb),
+            "mtp_final_norm_in": c.resid * h * mb}
+
+
+def head(c: Ctx, heads: int) -> dict:
+    """Final layernorm, output layer(s) and cross entropy: `heads` = 1 + MTP layers."""
+    h, mb, T = c.s.hidden, c.p.model_bytes, c.tokens
+    vocab = c.s.vocab / c.par.tp
+    return {"final_norm_in": c.resid * h * mb,
+            "output_layer_in": heads * c.resid * h * mb,
+            "cross_entropy": heads * T * vocab * c.ce_bytes}
+
+
+def logits_transient(c: Ctx) -> float:
+    """The logits in the model dtype, alive while the cross entropy makes its fp32 copy."""
+    return c.tokens * c.s.vocab / c.par.tp * c.p.model_bytes
+
+
+def backward_working_set(c: Ctx, kind: str) -> float:
+    """Extra memory while one layer runs its backward: what its recompute brings back (everything it
+    would save without recompute, minus what it saved), plus two of its largest tensors (a gradient
+    being produced while the gradient it is computed from is alive; for an MoE layer the combine /
+    dispatch all-to-all's send and receive buffers in the model dtype are at least as large)."""
+    saved = layer(c, kind)
+    full = layer(c.with_recompute(NONE), kind)
+    largest = max(full.values())
+    if kind == MOE:
+        largest = max(largest, expert_rows(c) * c.s.hidden * c.p.model_bytes)
+    return sum(full.values()) - sum(saved.values()) + 2 * largest

@@ -1,0 +1,88 @@
+"""`megatron-fp4 estimate`: the subcommand's parser and its run function."""
+
+import argparse
+import sys
+
+import yaml
+
+from ..run_config import ConfigError
+from .core import estimate
+from .report import as_json, detail, table
+from .shapes import EstimateError
+
+DESCRIPTION = """\
+Estimate per-GPU memory and expert-parallel all-to-all traffic of YAML run configs, without a GPU.
+
+Memory per GPU, on the pipeline rank with the largest peak:
+  weights    parameters in the model dtype (+ 2 FP8 copies of every GEMM weight under FP8)
+  grads      main gradients (main_grads_dtype, fp32 by default)
+  optim      Adam master weights and moments on the GPU (distributed optimizer: sharded over data
+             parallelism, expert parameters over expert data parallelism; less what
+             optimizer_cpu_offload moves to the host)
+  activ      saved activations of the micro-batches the pipeline schedule holds at its worst
+             point (an inventory of Megatron-Core's saved tensors per layer, less what
+             recompute_modules recomputes)
+  transient  one layer's backward working set (what its recompute restores + two of its largest
+             tensors), the logits during the loss, persistent attention buffers
+  peak       the sum, in GiB (2^30 bytes): comparable with Megatron's "max allocated", not with
+             "reserved" (the caching allocator holds a few % more); % GPU and fits compare it
+             with the config's cluster.gpu_memory_gib.
+a2a: GB (10^9 bytes) one GPU sends per step through the MoE dispatch and combine all-to-alls,
+forward and backward, and again for `moe` recompute.
+
+For an fp4 config (moe_fp4_dispatch: true) two rows: 'recipe' is the paper's FP4 recipe (expert
+activations kept in MXFP4, the dispatch cached for `moe` recompute); 'installed' is what this
+package delivers today (MXFP4 on the wire; experts keep the baseline precision; with
+moe_fp4_cache the received payload is kept for `moe` recompute).
+
+Not modeled: the caching allocator's reserve and fragmentation, NCCL and CUDA context memory,
+routing imbalance (experts assumed to receive k*T rows on average), and the code paths of Megatron
+options the configs here do not use. Assumptions and validation: docs/scale.md.
+"""
+
+
+def _parse_set(text: str):
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--set takes KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip().replace("-", "_"), yaml.safe_load(value)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("estimate", help="per-GPU memory and all-to-all bytes of YAML run configs",
+                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("configs", nargs="+", metavar="CONFIG", help="YAML run config(s)")
+    parser.add_argument("--json", action="store_true", help="print JSON (one object per row) instead of the table")
+    parser.add_argument("--fp4-memory", choices=("both", "recipe", "installed"), default="both",
+                        help="for fp4 configs: the paper's recipe, what the installed package delivers, or both "
+                             "(default)")
+    parser.add_argument("--set", dest="overrides", action="append", type=_parse_set, default=[], metavar="KEY=VALUE",
+                        help="override a flag of every config (YAML value), e.g. --set optimizer_cpu_offload=true; "
+                             "repeatable")
+    parser.add_argument("--detail", action="store_true",
+                        help="after the table, each row's per-rank peaks and one micro-batch's activations by tensor")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    modes = ("recipe", "installed") if args.fp4_memory == "both" else (args.fp4_memory,)
+    overrides = dict(args.overrides)
+    estimates = []
+    try:
+        for path in args.configs:
+            first = estimate(path, modes[0], overrides)
+            estimates.append(first)
+            if first.precision.name == "fp4" and len(modes) > 1:
+                estimates.append(estimate(path, modes[1], overrides))
+    except (ConfigError, EstimateError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(as_json(estimates))
+        return 0
+    print(table(estimates))
+    if args.detail:
+        for e in estimates:
+            print()
+            print(detail(e))
+    return 0

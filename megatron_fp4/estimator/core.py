@@ -1,0 +1,112 @@
+"""One estimate: a YAML run config in, per-GPU memory and all-to-all bytes out."""
+
+from dataclasses import dataclass, field
+
+from ..run_config import RunConfig, load_config, parse_config_argv
+from .a2a import A2ABytes, a2a_bytes
+from .memory import RankMemory, all_ranks, make_ctx
+from .precision import Precision, precision_of
+from .recompute import Recompute, recompute_of
+from .shapes import EstimateError, ModelShape, Parallel, model_shape, parallel_layout
+
+GIB = 2**30
+
+
+@dataclass
+class Estimate:
+    config: str
+    mode: str  # "recipe" or "installed" (see precision.py)
+    precision: Precision
+    recompute: Recompute
+    shape: ModelShape
+    parallel: Parallel
+    gpu_memory_gib: float | None
+    ranks: list[RankMemory]
+    a2a: A2ABytes  # on the pipeline rank that sends the most
+    overrides: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def peak_rank(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_rank.peak / GIB
+
+    @property
+    def fraction(self) -> float | None:
+        return self.peak_gib / self.gpu_memory_gib if self.gpu_memory_gib else None
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_memory_gib is None else self.peak_gib <= self.gpu_memory_gib
+
+    def as_dict(self) -> dict:
+        r = self.peak_rank
+        return {
+            "config": self.config,
+            "mode": self.mode,
+            "precision": self.precision.name,
+            "recompute": self.recompute.label(),
+            "overrides": {k: v for k, v in self.overrides.items()},
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "peak_rank": r.rank,
+            "weights_gib": r.static.weights / GIB,
+            "grads_gib": r.static.grads / GIB,
+            "optimizer_gib": r.static.optimizer / GIB,
+            "workspace_gib": r.static.workspace / GIB,
+            "activations_gib": r.activations / GIB,
+            "transient_gib": r.transient / GIB,
+            "peak_gib": self.peak_gib,
+            "fraction_of_gpu": self.fraction,
+            "fits": self.fits,
+            "microbatches_held": r.held,
+            "per_rank_peak_gib": [x.peak / GIB for x in self.ranks],
+            "activations_per_microbatch_gib": {k: v / GIB for k, v in sorted(r.components.items())},
+            "a2a_gb_per_step": {
+                "dispatch_forward": self.a2a.dispatch_forward / 1e9,
+                "dispatch_backward": self.a2a.dispatch_backward / 1e9,
+                "combine_forward": self.a2a.combine_forward / 1e9,
+                "combine_backward": self.a2a.combine_backward / 1e9,
+                "recompute_forward": self.a2a.recompute_forward / 1e9,
+                "total": self.a2a.total / 1e9,
+            },
+        }
+
+
+def apply_overrides(config: RunConfig, overrides: dict[str, object]) -> RunConfig:
+    """A copy of `config` with flags replaced (what-if estimates); names are checked like YAML keys."""
+    from ..run_config import _check_flag
+
+    flags = dict(config.flags)
+    for name, value in overrides.items():
+        _check_flag(name, value, config.path)
+        flags.pop(name, None)
+        flags[name] = value
+    return RunConfig(path=config.path, flags=flags, cluster=dict(config.cluster))
+
+
+def estimate(config, mode: str = "recipe", overrides: dict[str, object] | None = None) -> Estimate:
+    """Estimate a config (a path or a RunConfig). mode "recipe": the paper's FP4 recipe for fp4
+    configs; "installed": what this package delivers today (identical for bf16 / fp8 configs)."""
+    if not isinstance(config, RunConfig):
+        config = load_config(config)
+    overrides = dict(overrides or {})
+    if overrides:
+        config = apply_overrides(config, overrides)
+    args = parse_config_argv(config)
+    if getattr(args, "moe_layer_recompute", False):  # deprecated spelling of recompute_modules: [moe]
+        args.recompute_granularity = "selective"
+        args.recompute_modules = list(args.recompute_modules or []) + ["moe"]
+    shape = model_shape(args)
+    par = parallel_layout(args, shape, config.world_size())
+    p = precision_of(args, mode)
+    rc = recompute_of(args)
+    if "mla_up_proj" in rc and not shape.mla:
+        raise EstimateError("mla_up_proj recompute needs multi_latent_attention")
+    c = make_ctx(args, shape, par, p, rc)
+    ranks = all_ranks(args, c)
+    a2a = max((a2a_bytes(shape, par, p, rc, r) for r in range(par.pp)), key=lambda a: a.total)
+    return Estimate(config=str(config.path), mode=mode, precision=p, recompute=rc, shape=shape, parallel=par,
+                    gpu_memory_gib=config.cluster.get("gpu_memory_gib"), ranks=ranks, a2a=a2a,
+                    overrides=overrides)

@@ -1,0 +1,131 @@
+"""Per-GPU peak memory: for every pipeline rank, static memory + the saved activations of the
+micro-batches it holds at the worst point of the schedule + a transient allowance; the estimate is
+the rank with the largest peak.
+
+Transient allowance (one rule for every config, derived from the same inventory, not tuned):
+while a layer runs its backward, what its recompute brought back plus two of its largest tensors
+(activations.backward_working_set), for the worst layer on the rank; on the rank that computes the
+loss, also the logits in the model dtype while the cross entropy holds its fp32 copy.
+"""
+
+from dataclasses import dataclass, field
+
+from . import activations as act
+from .params import rank_params
+from .precision import Precision
+from .recompute import Recompute
+from .schedule import peak_held
+from .shapes import (
+    DENSE,
+    EMBEDDING,
+    LOSS,
+    MOE,
+    MTP,
+    ModelShape,
+    Parallel,
+    microbatches_per_step,
+    tokens_per_microbatch,
+)
+from .static import Static, static_memory
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    static: Static
+    activations: float  # saved activations of the held micro-batches
+    transient: float
+    held: list[int]  # micro-batches held per model chunk at the worst point
+    chunk_bytes: list[float]  # one micro-batch's saved activations per chunk
+    components: dict[str, float] = field(default_factory=dict)  # one micro-batch, whole rank
+
+    @property
+    def peak(self) -> float:
+        return self.static.total + self.activations + self.transient
+
+
+def chunk_activations(c: act.Ctx, chunk) -> dict[str, float]:
+    """One micro-batch's saved activations of one model chunk, by component."""
+    out: dict[str, float] = {}
+
+    def add(parts: dict, prefix: str = ""):
+        for key, value in parts.items():
+            out[prefix + key] = out.get(prefix + key, 0) + value
+
+    for kind, _ in chunk:
+        if kind in (DENSE, MOE):
+            add(act.layer(c, kind), f"{kind}.")
+        elif kind == MTP:
+            add(act.layer(c, MOE if c.s.mtp_is_moe else DENSE), "mtp.")
+            add(act.mtp_extras(c), "mtp.")
+        elif kind == LOSS:
+            add(act.head(c, 1 + c.s.mtp_layers), "head.")
+        elif kind == EMBEDDING:
+            out["embedding.token_ids"] = c.tokens * 8
+    return out
+
+
+def _layer_kinds(c: act.Ctx, chunk) -> set:
+    kinds = set()
+    for kind, _ in chunk:
+        if kind in (DENSE, MOE):
+            kinds.add(kind)
+        elif kind == MTP:
+            kinds.add(MOE if c.s.mtp_is_moe else DENSE)
+    return kinds
+
+
+def chunk_transients(c: act.Ctx, chunk, saved: dict[str, float]) -> tuple:
+    """(at the end of a forward, during a backward) of this chunk: the worst layer's backward
+    working set; with the loss, the model-dtype logits during the cross entropy (forward and the
+    start of backward), after which the head's saved tensors are gone before the layers' backward."""
+    layers = max((act.backward_working_set(c, k) for k in _layer_kinds(c, chunk)), default=0.0)
+    if not any(kind == LOSS for kind, _ in chunk):
+        return 0.0, layers
+    logits = act.logits_transient(c)
+    head_saved = sum(v for k, v in saved.items() if k.startswith("head."))
+    return logits, max(logits, layers - head_saved)
+
+
+def rank_memory(args, c: act.Ctx, rank: int, workspace: float) -> RankMemory:
+    s, par = c.s, c.par
+    chunks = par.chunks[rank]
+    parts = [chunk_activations(c, chunk) for chunk in chunks]
+    chunk_bytes = [sum(p.values()) for p in parts]
+    extras = [chunk_transients(c, chunk, part) for chunk, part in zip(chunks, parts)]
+    held_bytes, transient, held = peak_held(
+        chunk_bytes, par.pp, rank, microbatches_per_step(s, par),
+        getattr(args, "microbatch_group_size_per_vp_stage", None) or par.pp,
+        forward_extra=[e[0] for e in extras], backward_extra=[e[1] for e in extras])
+    counts = rank_params(s, par, rank, c.bias)
+    static = static_memory(args, counts, c.p, par.dp, par.edp, workspace)
+    components: dict[str, float] = {}
+    for p in parts:
+        for key, value in p.items():
+            components[key] = components.get(key, 0) + value
+    return RankMemory(rank, static, held_bytes, transient, held, chunk_bytes, components)
+
+
+def make_ctx(args, s: ModelShape, par: Parallel, p: Precision, rc: Recompute) -> act.Ctx:
+    rope = args.position_embedding_type in ("rope", "yarn", "mrope")
+    if getattr(args, "cross_entropy_loss_fusion", False) and args.cross_entropy_fusion_impl == "te":
+        ce_bytes = p.model_bytes  # Transformer Engine's kernel keeps the gradient in the logits' dtype
+    else:
+        ce_bytes = 4  # Megatron's (fused or not) keeps the fp32 softmax
+    softmax_fp32 = bool(args.attention_softmax_in_fp32 or args.apply_query_key_layer_scaling)
+    return act.Ctx(s=s, par=par, p=p, rc=rc, tokens=tokens_per_microbatch(s, par), rope=rope,
+                   softmax_fp32=softmax_fp32, ce_bytes=ce_bytes, bias=bool(args.add_bias_linear))
+
+
+def workspace_bytes(c: act.Ctx) -> float:
+    """Megatron's local (unfused) attention takes its [b*heads, s, s] score buffer from a global
+    buffer that is allocated once and kept."""
+    if c.s.te:
+        return 0.0
+    s = c.s.seq_length // c.par.cp
+    return c.s.micro_batch * c.s.heads / c.par.tp * s * s * c.p.model_bytes
+
+
+def all_ranks(args, c: act.Ctx) -> list[RankMemory]:
+    workspace = workspace_bytes(c)
+    return [rank_memory(args, c, rank, workspace) for rank in range(c.par.pp)]

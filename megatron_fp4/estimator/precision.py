@@ -1,0 +1,88 @@
+"""Which precision a config trains in, and the bytes per element each kind of saved tensor costs.
+
+- bf16: no `fp8_format`, no `moe_fp4_dispatch`.
+- fp8: `fp8_format` set: Transformer Engine FP8 GEMMs (DeepSeek-style blockwise: 1x128 activation
+  blocks, 128x128 weight blocks, fp32 scales).
+- fp4: `moe_fp4_dispatch: true` (GEMMs in FP8 when `fp8_format` is set too, as in the paper's
+  recipe and configs/deepseek_v3_671b/fp4.yaml; BF16 otherwise). Two memory models, because the
+  installed package does not yet deliver everything the paper's recipe does:
+  - "recipe" (arXiv 2603.02731): the routed tokens dispatched in MXFP4, the experts' saved
+    activations (dispatched tokens, SwiGLU input, fc2 input) kept in MXFP4, and under `moe`
+    recompute the received payload cached so that the recompute does not dispatch again;
+  - "installed" (this package today): the dispatch all-to-all carries MXFP4, but the payload is
+    dequantized to BF16 before Megatron's own experts, so the saved activations are those of the
+    baseline precision (bf16, or fp8 if `fp8_format` is also set). With `moe_fp4_cache` and `moe`
+    recompute it also keeps the received MXFP4 payload for the recompute.
+  When the package gains FP4 expert activations (a flag named in FP4_EXPERTS_FLAGS), "installed"
+  follows the recipe for those tensors.
+"""
+
+from dataclasses import dataclass
+
+MXFP4_BYTES = 0.5 + 1 / 32  # E2M1 element + one E8M0 byte per 32 elements = 0.53125
+FP8_1X128_BYTES = 1 + 4 / 128  # E4M3 element + one fp32 scale per 128 elements = 1.03125
+FP8_128X128_BYTES = 1 + 4 / (128 * 128)  # weights: one fp32 scale per 128x128 block
+MXFP8_BYTES = 1 + 1 / 32
+
+# Flags (of add_fp4_args) under which the installed package keeps expert activations in MXFP4.
+# None exists yet; when one lands, name it here.
+FP4_EXPERTS_FLAGS = ("moe_fp4_experts",)
+
+BYTES_OF_DTYPE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "torch.float32": 4, "torch.bfloat16": 2,
+                  "torch.float16": 2, "torch.uint8": 1}
+
+
+def dtype_bytes(value) -> float:
+    return BYTES_OF_DTYPE[str(value)]
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str  # "bf16", "fp8" or "fp4" (the config's precision)
+    model_bytes: int  # params / activations in the model dtype (bf16: 2)
+    fp8: bool  # GEMMs in FP8 through Transformer Engine
+    fp8_act_bytes: float  # bytes/element of an FP8 GEMM input saved for backward
+    fp8_weight_bytes: float  # bytes/element of one FP8 copy of a weight
+    fp4_dispatch: bool  # the dispatch all-to-all carries MXFP4 rows
+    fp4_experts: bool  # expert activations (dispatched tokens, SwiGLU input, fc2 input) kept in MXFP4
+    fp4_cache: bool  # with `moe` recompute, the received MXFP4 payload is kept for the recompute
+    grad_wire: str  # format of the dispatch gradient all-to-all: "bf16" or "fp8"
+
+    @property
+    def gemm_input_bytes(self) -> float:
+        """What a GEMM keeps of its input for the weight gradient."""
+        return self.fp8_act_bytes if self.fp8 else self.model_bytes
+
+
+def _fp8_bytes(recipe: str) -> tuple:
+    if recipe == "mxfp8":
+        return MXFP8_BYTES, MXFP8_BYTES
+    if recipe == "blockwise":
+        return FP8_1X128_BYTES, FP8_128X128_BYTES
+    return 1.0, 1.0  # delayed / tensorwise: one scale per tensor
+
+
+def precision_of(args, mode: str = "recipe") -> Precision:
+    """mode: "recipe" (the paper's FP4 recipe) or "installed" (what this package delivers now).
+    Both are the same for bf16 and fp8 configs."""
+    if mode not in ("recipe", "installed"):
+        raise ValueError(f"mode must be recipe or installed, got {mode!r}")
+    fp4 = bool(getattr(args, "moe_fp4_dispatch", False))
+    fp8 = bool(args.fp8)
+    recipe = args.fp8_recipe if args.fp8 else "blockwise"
+    act, weight = _fp8_bytes(recipe)
+    installed_experts = any(getattr(args, flag, False) for flag in FP4_EXPERTS_FLAGS)
+    cache = bool(getattr(args, "moe_fp4_cache", False))
+    model_bytes = 4 if not (args.bf16 or args.fp16) else 2
+    name = "fp4" if fp4 else ("fp8" if args.fp8 else ("bf16" if model_bytes == 2 else "fp32"))
+    return Precision(
+        name=name,
+        model_bytes=model_bytes,
+        fp8=fp8,
+        fp8_act_bytes=act,
+        fp8_weight_bytes=weight,
+        fp4_dispatch=fp4,
+        fp4_experts=fp4 and (mode == "recipe" or installed_experts),
+        fp4_cache=fp4 and (mode == "recipe" or cache),
+        grad_wire=getattr(args, "moe_fp4_dispatch_grad", "bf16") if fp4 else "bf16",
+    )

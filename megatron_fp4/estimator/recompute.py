@@ -1,0 +1,53 @@
+"""Megatron's activation recomputation settings, as the estimator needs them.
+
+Selective recompute (`recompute_granularity: selective`, megatron/core/transformer/*) drops from
+the saved activations what each module in `recompute_modules` recomputes in backward:
+- core_attn: the core attention's internals (softmax probabilities of unfused attention; the
+  output and log-sum-exp a fused attention saves). Its inputs q, k, v stay saved (checkpoint
+  inputs), and its output stays saved by the output projection.
+- layernorm: the outputs of input_layernorm and pre_mlp_layernorm where they are separate modules
+  (not fused into a Transformer Engine LayerNorm+Linear), i.e. the copies their consumers saved.
+- mla_up_proj: MLA's up-projections and RoPE: q, k, v and the up-projections' LayerNorm outputs;
+  the compressed q / kv stay saved (checkpoint inputs).
+- mlp: the whole dense MLP (not MoE layers) but its input.
+- moe: the whole MoE layer (router, dispatch, experts, combine, shared expert) but its input, the
+  pre-MLP LayerNorm output (itself dropped when layernorm is recomputed too).
+- moe_act: the experts' activation output (fc2 input).
+- shared_experts: the shared expert's internals but its input.
+Full recompute (`recompute_granularity: full`) keeps only each recompute unit's input.
+"""
+
+from dataclasses import dataclass
+
+MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "moe_act", "shared_experts")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    granularity: str  # "none", "selective" or "full"
+    modules: frozenset
+    method: str = "uniform"  # full recompute: "uniform" or "block"
+    num_layers: int = 1
+
+    def __contains__(self, module: str) -> bool:
+        return self.granularity == "selective" and module in self.modules
+
+    def label(self) -> str:
+        if self.granularity == "selective":
+            return ",".join(m for m in MODULES if m in self.modules) or "-"
+        if self.granularity == "full":
+            return f"full:{self.method}:{self.num_layers}"
+        return "-"
+
+
+NONE = Recompute("none", frozenset())
+
+
+def recompute_of(args) -> Recompute:
+    granularity = args.recompute_granularity
+    if granularity == "selective":
+        modules = args.recompute_modules if args.recompute_modules is not None else ["core_attn"]
+        return Recompute("selective", frozenset(modules))
+    if granularity == "full":
+        return Recompute("full", frozenset(), args.recompute_method or "uniform", args.recompute_num_layers or 1)
+    return NONE

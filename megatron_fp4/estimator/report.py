@@ -1,0 +1,63 @@
+"""The estimate as a table (one row per config, two for an fp4 config: the paper's recipe and what
+the installed package delivers) or as JSON."""
+
+import json
+from pathlib import Path
+
+from .core import GIB, Estimate
+
+COLUMNS = ("config", "prec", "fp4 memory", "recompute", "weights", "grads", "optim", "activ", "transient",
+           "peak GiB", "% GPU", "fits", "a2a GB/step")
+
+
+def _name(path: str) -> str:
+    p = Path(path)
+    return f"{p.parent.name}/{p.name}"
+
+
+def row(e: Estimate) -> list[str]:
+    r = e.peak_rank
+    fits = "-" if e.fits is None else ("fits" if e.fits else "OOM")
+    percent = "-" if e.fraction is None else f"{100 * e.fraction:.1f}"
+    mode = e.mode if e.precision.name == "fp4" else ""
+    return [_name(e.config), e.precision.name, mode, e.recompute.label(),
+            f"{r.static.weights / GIB:.2f}", f"{r.static.grads / GIB:.2f}", f"{r.static.optimizer / GIB:.2f}",
+            f"{r.activations / GIB:.2f}", f"{(r.transient + r.static.workspace) / GIB:.2f}",
+            f"{e.peak_gib:.2f}", percent, fits, f"{e.a2a.total / 1e9:.1f}"]
+
+
+def table(estimates: list[Estimate]) -> str:
+    rows = [list(COLUMNS)] + [row(e) for e in estimates]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = []
+    for n, r in enumerate(rows):
+        cells = [c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    notes = [("GiB = 2^30 bytes, per GPU, on the pipeline rank with the largest peak; a2a GB = 10^9 bytes the "
+              "same GPU sends per step (dispatch + combine, forward + backward, recompute included).")]
+    if any(e.precision.name == "fp4" for e in estimates):
+        notes.append("fp4 memory: 'recipe' = the paper's FP4 recipe (expert activations kept in MXFP4, dispatch cached "
+                     "for `moe` recompute); 'installed' = this package today (MXFP4 on the wire only, experts keep "
+                     "the baseline precision; the dispatch cache only with --moe-fp4-cache).")
+    overrides = {k: v for e in estimates for k, v in e.overrides.items()}
+    if overrides:
+        notes.append("overrides: " + ", ".join(f"{k}={v}" for k, v in overrides.items()))
+    return "\n".join(lines + [""] + notes)
+
+
+def detail(e: Estimate) -> str:
+    r = e.peak_rank
+    lines = [f"{_name(e.config)} ({e.precision.name}{', ' + e.mode if e.precision.name == 'fp4' else ''}): "
+             f"peak rank {r.rank}, micro-batches held per chunk {r.held}, per-rank peaks GiB "
+             + " ".join(f"{x.peak / GIB:.1f}" for x in e.ranks),
+             "  one micro-batch of this rank's chunks, GiB:"]
+    for key, value in sorted(r.components.items(), key=lambda kv: -kv[1]):
+        if value / GIB >= 0.0005:
+            lines.append(f"    {key:32s} {value / GIB:8.3f}")
+    return "\n".join(lines)
+
+
+def as_json(estimates: list[Estimate]) -> str:
+    return json.dumps([e.as_dict() for e in estimates], indent=2)

@@ -1,0 +1,250 @@
+"""CPU tests of megatron_fp4.estimator (`megatron-fp4 estimate`); how it builds its numbers:
+docs/scale.md. Measured numbers below come from Megatron's own memory log lines on H200s."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_fp4.estimator import GIB, estimate
+from megatron_fp4.estimator.a2a import row_bytes
+from megatron_fp4.estimator.params import rank_params
+from megatron_fp4.estimator.precision import FP8_1X128_BYTES, MXFP4_BYTES
+from megatron_fp4.estimator.schedule import peak_held
+from megatron_fp4.estimator.shapes import MOE, MTP
+
+ROOT = Path(__file__).resolve().parents[1]
+DSV3 = ROOT / "configs" / "deepseek_v3_671b"
+PROXY = ROOT / "configs" / "proxy"
+PRECISIONS = ("bf16", "fp8", "fp4")
+SCOPES = ("attn_ln_moe", "attn_ln_mlp", "mla_up_proj")
+MIB = 2**20
+
+# "[Rank 0] (...) memory (MB) | ... | max allocated: X" (Megatron's MB are MiB), 2 x H200, EP 2.
+MEASURED_MAX_ALLOCATED_MIB = {
+    # proxy gpus2.yaml + --moe-fp4-dispatch, 10 iterations (FP4 on the wire, BF16 experts)
+    ("gpus2.yaml", "installed"): 6244.88,
+    # memcap configs, 3 iterations, the log line after iteration 2 (iteration 1 runs before Adam's
+    # moments exist), uncapped
+    ("memcap_bf16_attn.yaml", "recipe"): 16373.55,
+    ("memcap_bf16_attn_moe.yaml", "recipe"): 10714.12,
+    ("memcap_fp4_attn.yaml", "installed"): 16372.29,
+}
+
+
+@pytest.fixture(scope="module")
+def dsv3():
+    return {(p, s, mode): estimate(DSV3 / f"{p}_{s}.yaml", mode)
+            for p in PRECISIONS for s in SCOPES for mode in ("recipe", "installed")}
+
+
+def test_nine_671b_configs_load_and_estimate(dsv3):
+    for p in PRECISIONS:
+        for s in SCOPES:
+            e = dsv3[(p, s, "recipe")]
+            assert e.precision.name == p
+            assert (e.parallel.tp, e.parallel.pp, e.parallel.vpp, e.parallel.ep) == (1, 8, 4, 32)
+            assert (e.parallel.dp, e.parallel.edp) == (32, 1)
+            assert e.gpu_memory_gib == 80
+            assert e.peak_gib > 0 and isinstance(e.fits, bool)
+    assert dsv3[("bf16", "attn_ln_moe", "recipe")].recompute.modules == {"core_attn", "layernorm", "moe"}
+    assert dsv3[("bf16", "mla_up_proj", "recipe")].recompute.modules == {"mla_up_proj"}
+
+
+def proxy_param_count(h=1024, ffn=2816, heads=16, layers=6, dense=1, experts=16, ep=2, moe_ffn=512,
+                      shared_ffn=512, vocab=32000):
+    """The proxy's parameters on one GPU, written out from its shapes (RMSNorm, SwiGLU, no biases)."""
+    attention = h * 3 * h + h * h
+    norms = 2 * h
+    dense_layer = attention + norms + h * 2 * ffn + ffn * h
+    expert = h * 2 * moe_ffn + moe_ffn * h
+    shared = h * 2 * shared_ffn + shared_ffn * h
+    moe_layer = attention + norms + experts * h + shared + expert * experts // ep  # router, shared, local experts
+    mtp = 3 * h + 2 * h * h + moe_layer  # enorm, hnorm, final norm, eh_proj, its layer
+    return dense * dense_layer + (layers - dense) * moe_layer + h + mtp + 2 * vocab * h
+
+
+def test_weights_of_a_small_config_are_its_parameters():
+    e = estimate(PROXY / "gpus2.yaml")
+    count = proxy_param_count()
+    assert count == 190695424  # what Megatron printed for rank (0, 0, 0) of this config
+    assert rank_params(e.shape, e.parallel, 0, bias=False).total == count
+    r = e.peak_rank
+    assert r.static.weights == 2 * count  # bf16
+    assert r.static.grads == 4 * count  # fp32 main grads
+    expert = 6 * 8 * 1024 * 3 * 512  # 5 MoE layers + MTP, 8 local experts, fc1 (x2) + fc2
+    assert r.static.optimizer == 12 * ((count - expert) / 2 + expert)  # DP 2, expert DP 1
+    memcap = estimate(PROXY / "memcap_bf16_attn.yaml")  # wider experts: moe_ffn_hidden_size 2048
+    assert rank_params(memcap.shape, memcap.parallel, 0, bias=False).total == proxy_param_count(moe_ffn=2048)
+    assert proxy_param_count(moe_ffn=2048) == 417187840  # what Megatron printed for it
+
+
+@pytest.mark.parametrize("config, mode", sorted(MEASURED_MAX_ALLOCATED_MIB))
+def test_estimate_matches_measured_peak(config, mode):
+    overrides = {"moe_fp4_dispatch": True} if config == "gpus2.yaml" else {}
+    e = estimate(PROXY / config, mode, overrides)
+    measured = MEASURED_MAX_ALLOCATED_MIB[(config, mode)] * MIB
+    assert abs(e.peak_rank.peak - measured) / measured < 0.05
+
+
+def test_a2a_bytes_per_token():
+    h = 7168
+    assert row_bytes("fp4", h) / row_bytes("bf16", h) == 0.265625
+    assert row_bytes("fp4", h) == h / 2 + h / 32 == 3808
+    assert row_bytes("fp8", h) == h + h / 32
+    for scope in SCOPES:
+        fp4 = estimate(DSV3 / f"fp4_{scope}.yaml", "installed").a2a
+        bf16 = estimate(DSV3 / f"bf16_{scope}.yaml").a2a
+        assert fp4.dispatch_forward / bf16.dispatch_forward == 0.265625
+        assert fp4.combine_forward == bf16.combine_forward  # combine stays BF16
+        assert fp4.dispatch_backward == bf16.dispatch_backward  # BF16 gradient by default
+
+
+def test_precision_modes():
+    from types import SimpleNamespace
+
+    from megatron_fp4.estimator.precision import precision_of
+
+    def args(**kw):
+        base = {"fp8": None, "fp8_recipe": "delayed", "bf16": True, "fp16": False, "moe_fp4_dispatch": False}
+        return SimpleNamespace(**{**base, **kw})
+
+    assert precision_of(args()).name == "bf16" and not precision_of(args()).fp8
+    fp8 = precision_of(args(fp8="e4m3", fp8_recipe="blockwise"))
+    assert fp8.name == "fp8" and fp8.gemm_input_bytes == FP8_1X128_BYTES == 1.03125
+    recipe = precision_of(args(fp8="e4m3", fp8_recipe="blockwise", moe_fp4_dispatch=True), "recipe")
+    assert recipe.name == "fp4" and recipe.fp8 and recipe.fp4_experts and recipe.fp4_cache
+    installed = precision_of(args(moe_fp4_dispatch=True), "installed")
+    assert installed.fp4_dispatch and not installed.fp4_experts and not installed.fp4_cache
+    assert precision_of(args(moe_fp4_dispatch=True, moe_fp4_cache=True), "installed").fp4_cache
+    assert MXFP4_BYTES == 0.53125
+
+
+def test_moe_recompute_sends_the_layer_again(dsv3):
+    bf16 = dsv3[("bf16", "attn_ln_moe", "recipe")].a2a
+    assert bf16.recompute_forward == bf16.dispatch_forward + bf16.combine_forward
+    recipe = dsv3[("fp4", "attn_ln_moe", "recipe")].a2a  # dispatch replayed from the cache
+    installed = dsv3[("fp4", "attn_ln_moe", "installed")].a2a  # no --moe-fp4-cache in the config
+    assert recipe.recompute_forward == recipe.combine_forward
+    assert installed.recompute_forward == installed.dispatch_forward + installed.combine_forward
+    assert dsv3[("bf16", "mla_up_proj", "recipe")].a2a.recompute_forward == 0
+
+
+def test_schedule_holds_megatrons_warmup_count():
+    # Interleaved 1F1B, PP 8, VPP 4: rank r runs (8 - r - 1) * 2 + 3 * 8 warm-up forwards, then one more
+    # forward before its first backward.
+    for rank in range(8):
+        held, _, per_chunk = peak_held([1.0] * 4, 8, rank, 256)
+        assert held == (8 - rank - 1) * 2 + 24 + 1 == sum(per_chunk)
+    # Plain 1F1B: PP - rank micro-batches; no pipeline: one.
+    assert peak_held([1.0], 4, 1, 64)[0] == 3
+    assert peak_held([1.0], 1, 0, 64)[0] == 1
+
+
+def test_fp4_recipe_saving_is_the_expert_bytes(dsv3):
+    """Where MoE activations are kept, one micro-batch of a chunk saves, FP8 -> FP4 recipe, exactly the
+    three expert tensors' bytes per MoE layer: dispatched tokens and fc2 input (FP8 1x128 -> MXFP4) and
+    the SwiGLU input (BF16 -> MXFP4)."""
+    for scope in ("attn_ln_mlp", "mla_up_proj"):
+        fp8, fp4 = dsv3[("fp8", scope, "recipe")], dsv3[("fp4", scope, "recipe")]
+        s = fp8.shape
+        rows = s.seq_length * s.micro_batch * s.topk
+        per_layer = rows * (s.hidden * (FP8_1X128_BYTES - MXFP4_BYTES) + 2 * s.moe_ffn_hidden * (2 - MXFP4_BYTES)
+                            + s.moe_ffn_hidden * (FP8_1X128_BYTES - MXFP4_BYTES))
+        for rank in range(8):
+            for chunk, a, b in zip(fp8.parallel.chunks[rank], fp8.ranks[rank].chunk_bytes, fp4.ranks[rank].chunk_bytes):
+                moe_layers = sum(1 for kind, _ in chunk if kind in (MOE, MTP))
+                assert a - b == pytest.approx(moe_layers * per_layer, rel=1e-9)
+
+
+def test_moe_recompute_leaves_fp4_nothing_to_save(dsv3):
+    """Under `moe` recompute the experts keep nothing between forward and backward: the recipe's
+    cached MXFP4 payload is extra memory, and FP4 dispatch alone changes no activation."""
+    fp8 = dsv3[("fp8", "attn_ln_moe", "recipe")]
+    assert dsv3[("fp4", "attn_ln_moe", "recipe")].peak_gib > fp8.peak_gib
+    for scope in SCOPES:
+        installed = dsv3[("fp4", scope, "installed")]
+        assert installed.peak_gib == pytest.approx(dsv3[("fp8", scope, "recipe")].peak_gib)
+
+
+def test_671b_configs_need_the_optimizer_offloaded(dsv3):
+    """Without optimizer_cpu_offload the expert parameters' Adam state is not sharded (expert DP 1):
+    static memory alone is most of an 80 GB GPU."""
+    for e in dsv3.values():
+        assert e.peak_rank.static.total / GIB > 50
+    offloaded = estimate(DSV3 / "bf16_attn_ln_moe.yaml", overrides={
+        "optimizer_cpu_offload": True, "use_precision_aware_optimizer": True})
+    assert offloaded.peak_rank.static.optimizer == 0
+
+
+PAPER_GAP = ("the nine configs as written reproduce neither the paper's 11.8 GB FP4 saving at every scope nor "
+             "its fits/OOM pattern: without optimizer offload their static memory alone is 50-67 GiB, the MLA "
+             "q/k/v kept at these scopes put 50-115 GiB of activations on the busiest rank, FP4 saves ~23 "
+             "GiB where MoE activations are kept and costs ~4.5 GiB under `moe` recompute (docs/scale.md)")
+
+
+@pytest.mark.xfail(strict=True, reason=PAPER_GAP)
+def test_paper_fp4_saves_11_8_gb_at_every_scope(dsv3):
+    for scope in SCOPES:
+        saving = dsv3[("fp8", scope, "recipe")].peak_gib - dsv3[("fp4", scope, "recipe")].peak_gib
+        assert abs(saving - 11.8) <= 2.0, scope
+
+
+@pytest.mark.xfail(strict=True, reason=PAPER_GAP)
+def test_paper_fits_pattern(dsv3):
+    assert all(dsv3[(p, "attn_ln_moe", "recipe")].fits for p in PRECISIONS)
+    for scope in ("attn_ln_mlp", "mla_up_proj"):
+        assert dsv3[("fp4", scope, "recipe")].fits
+        assert not dsv3[("bf16", scope, "recipe")].fits and not dsv3[("fp8", scope, "recipe")].fits
+
+
+def test_memcap_configs_show_the_intended_pattern():
+    def peak(name, mode="recipe"):
+        e = estimate(PROXY / f"memcap_{name}.yaml", mode)
+        assert (e.parallel.ep, e.parallel.world, e.shape.te, e.shape.mla) == (2, 2, False, False)
+        return e.peak_gib, e.gpu_memory_gib
+
+    cap = peak("bf16_attn")[1]
+    assert cap < 139 / 4
+    assert peak("bf16_attn")[0] > 1.1 * cap  # stock BF16 with attention recompute: OOM
+    assert peak("bf16_attn_moe")[0] < 0.9 * cap  # ... fits with the MoE layer recomputed
+    assert peak("fp4_attn")[0] < 0.9 * cap  # the paper's recipe fits with attention recompute only
+    assert peak("fp4_attn", "installed")[0] > 1.1 * cap  # the installed package does not, yet
+    assert peak("fp4_attn_moe", "installed")[0] < 0.9 * cap
+
+
+def _main(argv):
+    try:
+        from megatron_fp4.cli import main
+    except ImportError:  # the CLI imports every subcommand's module; test ours alone then
+        import argparse
+
+        from megatron_fp4.estimator import register
+
+        def main(argv):
+            parser = argparse.ArgumentParser(prog="megatron-fp4")
+            register(parser.add_subparsers(dest="command", required=True))
+            args = parser.parse_args(argv)
+            return args.run(args)
+    return main(argv)
+
+
+def test_cli_prints_the_table_and_json(capsys):
+    configs = [str(DSV3 / f"{p}_mla_up_proj.yaml") for p in PRECISIONS] + [str(PROXY / "memcap_fp4_attn.yaml")]
+    assert _main(["estimate", *configs]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["config", "prec", "fp4"] and "a2a GB/step" in lines[0]
+    rows = [line for line in lines if line.startswith(("deepseek_v3_671b/", "proxy/"))]
+    assert len(rows) == 6  # bf16, fp8, fp4 recipe + installed, memcap fp4 recipe + installed
+    assert "OOM" in out and "fits" in out and "installed" in out
+    assert _main(["estimate", "--json", "--set", "optimizer_cpu_offload=true", configs[0]]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data[0]["precision"] == "bf16" and data[0]["optimizer_gib"] > 0  # the fp32 master stays on the GPU
+    assert _main(["estimate", "--json", "--set", "optimizer_cpu_offload=true", "--set",
+                  "use_precision_aware_optimizer=true", configs[0]]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data[0]["optimizer_gib"] == 0
+    assert data[0]["peak_gib"] == pytest.approx(sum(data[0][k] for k in (
+        "weights_gib", "grads_gib", "optimizer_gib", "workspace_gib", "activations_gib", "transient_gib")))
+    assert _main(["estimate", str(ROOT / "configs" / "no_such.yaml")]) == 2
