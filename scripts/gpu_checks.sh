@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this repo checks on GPUs, in one go (a device session is short): the test suite
-# (GPU-marked tests included), the MoE layer benchmark over all local GPUs, and a proxy training
+# (GPU-marked tests included), the MoE layer and recompute-cache benchmarks over all local GPUs, and a proxy training
 # run through the README's command. Prints a short summary at the end.
 #
 #   scripts/gpu_checks.sh                  # on a machine with 1+ GPUs
@@ -30,11 +30,13 @@ step tests python3 -m pytest -q -x tests
 if ((GPUS >= 2)); then
     step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_layer.py \
         --experts "${BENCH_EXPERTS:-$((8 * GPUS))}"
+    step bench_moe_cache torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_cache.py \
+        --experts "${BENCH_EXPERTS:-$((8 * GPUS))}"
 fi
 step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-300}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS"
 # First and last logged iterations (lm loss), and Megatron's count of NaN iterations over the run.
-grep -E "iteration +[0-9]+/" runs/proxy_fp4/train.log | sed -n '1p;$p'
-grep -oE "number of nan iterations: +[0-9]+" runs/proxy_fp4/train.log | awk '{s += $NF} END {print "nan iterations:", s + 0}'
+grep -E "iteration +[0-9]+/" runs/proxy_fp4/train_node0.log | sed -n '1p;$p'
+grep -oE "number of nan iterations: +[0-9]+" runs/proxy_fp4/train_node0.log | awk '{s += $NF} END {print "nan iterations:", s + 0}'
 
 echo "=== summary"
 for name in "${!STATUS[@]}"; do echo "$name: ${STATUS[$name]}"; done

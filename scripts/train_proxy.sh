@@ -9,7 +9,8 @@
 # N: 1, 2, 4 or 8 GPUs (first argument, else $NPROC, else the visible GPUs). Extra flags go after
 # the config's, so they win (e.g. --train-iters 50, --moe-fp4-dispatch-grad fp8).
 # Environment: FP4=0 runs stock Megatron (no --moe-fp4-dispatch); TRAIN_ITERS, MBS, GBS override
-# the config; RUN_NAME names the run directory runs/<RUN_NAME> (command, log, checkpoint);
+# the config; RUN_NAME names the run directory runs/<RUN_NAME> (command, log, checkpoint; a
+# directory that already holds a checkpoint is resumed from it, as Megatron does with --load);
 # DRY_RUN=1 prints the command only; TORCHRUN (torchrun), PYTHON (python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
