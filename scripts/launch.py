@@ -80,7 +80,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         run_id = time.strftime("%Y%m%d_%H%M%S")
-    run_dir = Path(env.get("RUN_DIR", REPO / "runs" / f"{Path(args.config).stem}_{run_id}"))
+    # Absolute: the trainer runs from the repository root, the caller may not.
+    run_dir = Path(env.get("RUN_DIR", REPO / "runs" / f"{Path(args.config).stem}_{run_id}")).resolve()
     node = env.get("NODE_RANK", env.get("SLURM_NODEID", "0"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
 

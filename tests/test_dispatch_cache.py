@@ -36,6 +36,21 @@ def test_keyed_per_micro_batch_and_freed_when_taken():
     assert len(cache) == 0 and cache.nbytes() == 0
 
 
+def test_key_survives_megatrons_storage_release_and_rebind():
+    """With `layernorm` recomputed, Megatron frees the MoE input's memory after forward
+    (storage resized to 0) and re-points the same storage at new memory before the recompute:
+    the key must name the storage object, not the data address."""
+    x = torch.randn(64, 2, HIDDEN)
+    before = MicroBatchKey.of(x)
+    keep = torch.empty(1 << 20)  # occupy memory so the regrown storage lands elsewhere
+    x.untyped_storage().resize_(0)
+    x.untyped_storage().resize_(64 * 2 * HIDDEN * 4)
+    assert MicroBatchKey.of(x.detach()) == before
+    assert MicroBatchKey.of(x[1:]) != before  # another offset is another tensor
+    assert MicroBatchKey.of(torch.randn(64, 2, HIDDEN)) != before
+    del keep
+
+
 def test_stale_missing_and_mismatched_entries_are_refused():
     cache = DispatchCache("layer 3")
     x = torch.zeros(8, 2, HIDDEN)

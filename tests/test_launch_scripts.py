@@ -13,7 +13,8 @@ CONFIG_671B = "configs/deepseek_v3_671b/fp4_mla_up_proj.yaml"
 
 
 def _dry_run(config, *extra, **env):
-    run_env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR")}
+    ours = ("NNODES", "GPUS_PER_NODE", "RUN_ID", "RUN_DIR", "SLURM_JOB_ID", "MASTER_ADDR", "TORCHRUN", "NODE_RANK")
+    run_env = {k: v for k, v in os.environ.items() if k not in ours}
     result = subprocess.run([sys.executable, str(LAUNCH), "--dry-run", config, *extra], capture_output=True,
                             text=True, timeout=120, cwd=ROOT, env={**run_env, **env}, check=False)
     return result

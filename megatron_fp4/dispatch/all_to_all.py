@@ -53,10 +53,11 @@ class _FP4DispatchAllToAll(torch.autograd.Function):
 
 def send_gradient_back(grad_output: torch.Tensor, splits, group, grad_format: str) -> torch.Tensor:
     """The received tokens' gradient back to their senders (splits = the forward's (output, input)),
-    BF16 or FP8 1x128 rows on the wire; returns BF16 rows in the senders' token order."""
+    unquantized ("bf16": in the gradient's own dtype, BF16 in BF16 training) or FP8 1x128 rows on
+    the wire; returns rows in the senders' token order."""
     output_splits, input_splits = splits
     if grad_format == "bf16":
-        return all_to_all_rows(grad_output.to(torch.bfloat16), input_splits, output_splits, group)
+        return all_to_all_rows(grad_output.contiguous(), input_splits, output_splits, group)
     wire = pack_fp8_rows(quantize_fp8_rows(grad_output.contiguous()))
     received = all_to_all_rows(wire, input_splits, output_splits, group)
     return dequantize_fp8(unpack_fp8_rows(received, grad_output.shape[1]))

@@ -1,10 +1,13 @@
 """The recompute cache: what a checkpointed MoE layer's first (no-grad) pass received through the
 FP4 dispatch, kept for its recompute pass so that the dispatch is not sent twice (issue 5).
 
-One cache per MoE layer. An entry is keyed by the micro-batch: the storage address and shape of
-the layer's input, which Megatron's checkpoint keeps alive between the two passes and hands back
-(detached, same storage) to the recompute, so several micro-batches in flight (pipeline
-parallelism, virtual stages) each find their own. The recompute takes its entry out (freed as soon
+One cache per MoE layer. An entry is keyed by the micro-batch: the storage object (StorageImpl),
+offset and shape of the layer's input, which Megatron's checkpoint keeps alive between the two
+passes and hands back (detached, same storage) to the recompute, so several micro-batches in
+flight (pipeline parallelism, virtual stages) each find their own. Not the data address: with
+`layernorm` also recomputed, Megatron frees the layer norm's output after forward
+(`untyped_storage().resize_(0)`) and re-points the same StorageImpl at the recomputed memory
+before the MoE recompute, so the address changes while the storage object does not. The recompute takes its entry out (freed as soon
 as its backward has used it); nothing survives a step. A missing, duplicated or mismatched entry
 is an error, never a silently wrong tensor.
 """
@@ -22,14 +25,15 @@ class DispatchCacheError(RuntimeError):
 
 @dataclass(frozen=True)
 class MicroBatchKey:
-    """Which micro-batch: the MoE layer input's storage address and shape."""
+    """Which micro-batch: the MoE layer input's storage object, offset and shape."""
 
-    data_ptr: int
+    storage: int  # the StorageImpl's address: stable while the tensor lives, whatever its data pointer
+    offset: int
     shape: tuple
 
     @classmethod
     def of(cls, layer_input: torch.Tensor) -> "MicroBatchKey":
-        return cls(layer_input.data_ptr(), tuple(layer_input.shape))
+        return cls(layer_input.untyped_storage()._cdata, layer_input.storage_offset(), tuple(layer_input.shape))
 
 
 @dataclass

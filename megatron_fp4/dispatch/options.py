@@ -11,7 +11,7 @@ GRAD_FORMATS = ("bf16", "fp8")
 @dataclass(frozen=True)
 class FP4DispatchOptions:
     """scale_rule: MXFP4 block scale rule ("ceil" never clips; "floor" is OCP's).
-    grad_format: the gradient's format on the reversed all-to-all ("bf16" exact, or "fp8" 1x128).
+    grad_format: the gradient's format on the reversed all-to-all ("bf16": unquantized in the model's dtype, exact; or "fp8" 1x128).
     cache: keep a checkpointed MoE layer's received payload for its recompute (--moe-fp4-cache)."""
 
     scale_rule: str = "ceil"

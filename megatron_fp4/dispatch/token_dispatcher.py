@@ -38,8 +38,10 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 f"the FP4 dispatcher does not support expert tensor parallelism (size {self.tp_size}); "
                 "use --expert-tensor-parallel-size 1"
             )
-        if config.hidden_size % FP8_BLOCK:
-            raise ValueError(f"the FP4 dispatcher needs hidden_size divisible by {FP8_BLOCK}, got {config.hidden_size}")
+        dispatched_width = getattr(config, "moe_latent_size", None) or config.hidden_size
+        if dispatched_width % FP8_BLOCK:
+            raise ValueError(f"the FP4 dispatcher needs the dispatched width (hidden or MoE latent size) divisible by "
+                             f"{FP8_BLOCK}, got {dispatched_width}")
         self.fp4_options = options if options is not None else FP4DispatchOptions()
         # With --moe-fp4-cache: the recompute cache, and the micro-batch the layer is running (set by
         # FP4MoELayer when its forward is checkpointed; None otherwise, and then nothing is cached).

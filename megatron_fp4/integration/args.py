@@ -33,8 +33,8 @@ def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--moe-fp4-dispatch-grad",
         choices=GRAD_FORMATS,
         default="bf16",
-        help="Format of the gradient sent back through the dispatch all-to-all: bf16 (exact, default) "
-        "or fp8 (E4M3 with 1x128 power-of-two scales).",
+        help="Format of the gradient sent back through the dispatch all-to-all: bf16 (default: unquantized, "
+        "in the model's dtype, exact) or fp8 (E4M3 with 1x128 power-of-two scales).",
     )
     group.add_argument(
         "--moe-fp4-scale-rule",

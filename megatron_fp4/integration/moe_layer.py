@@ -8,6 +8,8 @@ patched; with options None the spec comes back untouched and the model is stock 
 import copy
 import dataclasses
 import functools
+
+import torch
 from typing import Optional
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -47,13 +49,23 @@ class FP4MoELayer(MoELayer):
         if self.shared_experts is not None and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
 
+    def forward(self, hidden_states, *args, **kwargs):
+        # A checkpointed layer's first pass runs without grad inside a forward that has it; a
+        # forward the caller runs under no_grad has no recompute coming and must cache nothing.
+        self._forward_has_grad = torch.is_grad_enabled()
+        return super().forward(hidden_states, *args, **kwargs)
+
     def route(self, hidden_states, *args, **kwargs):
         # Both passes of a checkpointed layer route the same input storage (the recompute gets the
-        # saved input back, detached): that names the micro-batch for the dispatcher's cache.
+        # saved input back, detached): that names the micro-batch for the dispatcher's cache. The
+        # recompute is the pass with grad on (Megatron re-runs the layer's body, not forward()).
         dispatcher = self.token_dispatcher
         if dispatcher.recompute_cache is not None:
             checkpointed = getattr(self, "moe_layer_recompute", False) and self.training
-            dispatcher.micro_batch_key = MicroBatchKey.of(hidden_states) if checkpointed else None
+            first_or_recompute = torch.is_grad_enabled() or getattr(self, "_forward_has_grad", False)
+            dispatcher.micro_batch_key = (
+                MicroBatchKey.of(hidden_states) if checkpointed and first_or_recompute else None
+            )
         return super().route(hidden_states, *args, **kwargs)
 
 
