@@ -10,6 +10,7 @@ from .kernels import (
     dequantize_mxfp4,
     mxfp4_to_fp8_cols,
     mxfp4_to_fp8_rows,
+    quantize_fp8_cols,
     quantize_fp8_rows,
     quantize_mxfp4,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "dequantize_mxfp4",
     "mxfp4_to_fp8_cols",
     "mxfp4_to_fp8_rows",
+    "quantize_fp8_cols",
     "quantize_fp8_rows",
     "quantize_mxfp4",
     "reference",

@@ -237,6 +237,28 @@ def quantize_fp8_rows(x: torch.Tensor) -> FP8BlockTensor:
     return FP8BlockTensor(data, scale.t().contiguous(), ROWWISE)
 
 
+def quantize_fp8_cols(
+    x: torch.Tensor, tokens_per_expert: Union[torch.Tensor, Sequence[int]], capacity: Optional[int] = None
+) -> FP8BlockTensor:
+    """BF16 / FP16 / FP32 rows of ragged expert segments -> X^T in FP8 with 1x128 blocks along tokens
+    (the gradient operand of the expert wgrad GEMM): each expert's tokens are placed at its
+    128-aligned segment offset in a zero-filled [capacity, H], which is then quantized as rows of
+    its transpose. Padding blocks are zeros with scale 2^-126."""
+    num_tokens, hidden = x.shape
+    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).cpu()
+    if counts.sum().item() != num_tokens:
+        raise ValueError(f"tokens_per_expert sums to {counts.sum().item()}, the tensor has {num_tokens} tokens")
+    capacity = colwise_capacity(num_tokens, len(counts)) if capacity is None else capacity
+    offsets = padded_segment_offsets(counts)
+    placed = x.new_zeros(capacity, hidden)
+    first_row = 0
+    for expert, count in enumerate(counts.tolist()):
+        placed[int(offsets[expert]) : int(offsets[expert]) + count] = x[first_row : first_row + count]
+        first_row += count
+    t = quantize_fp8_rows(placed.t().contiguous())
+    return FP8BlockTensor(t.data, t.block_scales, COLWISE, offsets.to(x.device))
+
+
 def dequantize_fp8(t: FP8BlockTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """FP8 1x128 (either layout) -> [rows, cols] in dtype: data * its block's scale in fp32."""
     scale = _per_element(t.scaled_mm_scales(), FP8_BLOCK)

@@ -104,6 +104,46 @@ def test_quantize_fp8_rows(device, dtype):
     assert_same_fp8(mf.quantize_fp8_rows(x), ref.quantize_fp8_rows(x))
 
 
+def _column_hard_cases(x: torch.Tensor) -> torch.Tensor:
+    """Plant along tokens what hard_input plants along hidden: a 2^20 range, subnormals and zeros
+    inside one 128-token block of one column (the cols quantizer's groups run along tokens)."""
+    tokens = min(128, x.shape[0])
+    x[:tokens, 3] = (torch.exp2(torch.linspace(-10, 10, tokens)) * torch.where(torch.arange(tokens) % 3 == 0, -1.0, 1.0)).to(x.dtype)
+    x[:tokens, 5] = (torch.finfo(x.dtype).tiny * torch.linspace(-0.99, 0.99, tokens)).to(x.dtype)
+    x[:tokens, 9] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("counts", [[5, 0, 130, 1, 0, 64], [0, 0, 0, 17], [128, 128], [300]])
+def test_quantize_fp8_cols_ragged(device, dtype, counts):
+    x = _column_hard_cases(hard_input(sum(counts), 256, dtype, seed=sum(counts), device=device))
+    tokens_per_expert = torch.tensor(counts, dtype=torch.int32, device=device)
+    assert_same_fp8(mf.quantize_fp8_cols(x, tokens_per_expert), ref.quantize_fp8_cols(x, counts))
+
+
+def test_quantize_fp8_cols_fresh_random_segments(device):
+    g = torch.Generator().manual_seed(21)
+    counts = torch.randint(0, 200, (11,), generator=g)
+    counts[torch.randint(0, 11, (3,), generator=g)] = 0
+    x = random_input(int(counts.sum()), 384, torch.bfloat16, seed=22, device=device)
+    got = mf.quantize_fp8_cols(x, counts.to(device))
+    expected = ref.quantize_fp8_cols(x, counts.tolist())
+    assert_same_fp8(got, expected)
+    # The operand is X^T per segment: dequantized, each segment's columns are its tokens, within
+    # E4M3's rounding (half a unit: 2^-4 relative for normals, 2^-10 x scale for subnormals).
+    dequantized = ref.dequantize_fp8(expected, torch.float32)
+    scale = expected.scaled_mm_scales().repeat_interleave(128, dim=1)  # [H, capacity]
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        column = int(expected.segment_offsets[expert])
+        segment = dequantized[:, column : column + count].t()
+        tokens = x[start : start + count].float()
+        bound = tokens.abs() * 2**-4 + scale[:, column : column + count].t() * 2**-10
+        assert ((segment - tokens).abs() <= bound).all()
+        start += count
+
+
 def test_dequantize_fp8_rows_and_cols(device):
     x = hard_input(30, 256, torch.bfloat16, seed=14, device=device)
     rows = ref.quantize_fp8_rows(x)
@@ -137,6 +177,12 @@ def test_refuses_bad_inputs(device):
         mf.mxfp4_to_fp8_cols(q, torch.tensor([4.0], device=device))
     with pytest.raises(ValueError, match="capacity"):
         mf.mxfp4_to_fp8_cols(q, torch.tensor([4], device=device), capacity=64)
+    with pytest.raises(ValueError, match="capacity"):
+        mf.quantize_fp8_cols(torch.zeros(4, 256, device=device), torch.tensor([4], device=device), capacity=64)
+    with pytest.raises(TypeError, match="tokens_per_expert"):
+        mf.quantize_fp8_cols(torch.zeros(4, 256, device=device), [4])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mf.quantize_fp8_cols(torch.zeros(4, 96, device=device), torch.tensor([4], device=device))
     with pytest.raises(TypeError, match="MXFP4Tensor"):
         mf.dequantize_mxfp4(x)
     with pytest.raises(ValueError, match="bytes per token"):

@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_BLOCK, MXFP4_BLOCK
-from ..reference import colwise_capacity
 from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, MXFP4Tensor
 from ._bits import fp4_word_to_fp8_exact, fp4_word_to_fp8_fast, fp4_words_need_exact_path, pow2_fp32
 from ._checks import TileConfig, check_hidden_multiple, check_kernel_device
+from ._segments import block_source_rows, check_segments, empty_colwise, experts_pow2
 
 # block_cols counts 128-element groups for rows and 32-element MXFP4 blocks for columns.
 DEFAULT_ROWS_CONFIG = TileConfig(block_rows=8, block_cols=8, num_warps=4)
@@ -195,26 +195,8 @@ def _mxfp4_to_fp8_cols_kernel(
     BLOCK_COLS: tl.constexpr,  # MXFP4 blocks of hidden per program
 ):
     column_start = tl.program_id(0) * TOKENS
-    # Every program derives the segment layout from the counts itself (E is small): no extra
-    # launches, no host sync.
-    expert_ids = tl.arange(0, EXPERTS_POW2)
-    counts = tl.load(counts_ptr + expert_ids, mask=expert_ids < num_experts, other=0).to(tl.int64)
-    padded = (counts + TOKENS - 1) // TOKENS * TOKENS
-    segment_ends = tl.cumsum(padded, axis=0)
-    source_ends = tl.cumsum(counts, axis=0)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(segment_offsets_ptr + expert_ids, segment_ends - padded, mask=expert_ids < num_experts)
-        tl.store(segment_offsets_ptr + num_experts, tl.sum(padded, axis=0))
-    # The expert owning this 128-token block: segments ending at or before it come earlier.
-    expert = tl.sum(((segment_ends <= column_start) & (expert_ids < num_experts)).to(tl.int32), axis=0)
-    mine = expert_ids == expert
-    first_row = tl.sum(tl.where(mine, source_ends - counts + column_start - (segment_ends - padded), 0), axis=0)
-    valid_rows = tl.sum(tl.where(mine, source_ends, 0), axis=0) - first_row
-    valid_rows = tl.where(expert < num_experts, tl.minimum(tl.maximum(valid_rows, 0), TOKENS), 0)
-
-    token = tl.arange(0, TOKENS)
-    source_row = (first_row + token).to(tl.int64)
-    valid = (token < valid_rows) & (source_row >= 0) & (source_row < num_rows)  # bad counts stay in bounds
+    first_row, valid_rows, source_row, valid = block_source_rows(
+        counts_ptr, segment_offsets_ptr, num_experts, num_rows, column_start, EXPERTS_POW2, TOKENS)
     block = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     words, scale_byte = _load_token_chunk(rows_ptr, source_row, valid, block, in_row_stride, BLOCKS_PER_ROW)
     # S of each MXFP4 block column: the largest finite byte over the 128 tokens.
@@ -268,34 +250,10 @@ def mxfp4_to_fp8_cols(
     come from Megatron's router may skip it. Bad counts never make the kernel read or write
     out of bounds."""
     _check_mxfp4("mxfp4_to_fp8_cols", q)
-    if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.dim() != 1:
-        raise TypeError("mxfp4_to_fp8_cols: tokens_per_expert must be a 1-D tensor of per-expert token counts")
-    if tokens_per_expert.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"mxfp4_to_fp8_cols: tokens_per_expert must be int32 or int64, got {tokens_per_expert.dtype}")
-    if tokens_per_expert.device != q.device:
-        raise ValueError(
-            f"mxfp4_to_fp8_cols: tokens_per_expert is on {tokens_per_expert.device}, the payload on {q.device}"
-        )
-    num_experts = tokens_per_expert.numel()
-    if num_experts == 0:
-        raise ValueError("mxfp4_to_fp8_cols: tokens_per_expert is empty (no experts)")
     num_rows, hidden = q.shape
-    needed = colwise_capacity(num_rows, num_experts)
-    capacity = needed if capacity is None else capacity
-    if capacity < needed or capacity % FP8_BLOCK:
-        raise ValueError(
-            f"mxfp4_to_fp8_cols: capacity {capacity} must be a multiple of {FP8_BLOCK} and at least {needed} "
-            f"for {num_rows} tokens over {num_experts} experts"
-        )
-    if check_counts:
-        counts = tokens_per_expert.long()
-        torch._assert_async(
-            (counts.sum() == num_rows) & (counts.min() >= 0),
-            "mxfp4_to_fp8_cols: tokens_per_expert must be non-negative and sum to the number of tokens",
-        )
-    segment_offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=q.device)
-    data = torch.empty(hidden, capacity, dtype=torch.float8_e4m3fn, device=q.device)
-    block_scales = torch.empty(capacity // FP8_BLOCK, hidden, dtype=torch.float32, device=q.device)
+    capacity = check_segments("mxfp4_to_fp8_cols", tokens_per_expert, q.device, num_rows, capacity, check_counts)
+    num_experts = tokens_per_expert.numel()
+    segment_offsets, data, block_scales = empty_colwise(hidden, capacity, num_experts, q.device)
     blocks_per_row = hidden // MXFP4_BLOCK
     grid = (capacity // FP8_BLOCK, triton.cdiv(blocks_per_row, config.block_cols))
     _mxfp4_to_fp8_cols_kernel[grid](
@@ -309,7 +267,7 @@ def mxfp4_to_fp8_cols(
         capacity,
         q.rows.stride(0) // 4,
         BLOCKS_PER_ROW=blocks_per_row,
-        EXPERTS_POW2=triton.next_power_of_2(num_experts),
+        EXPERTS_POW2=experts_pow2(tokens_per_expert),
         TOKENS=FP8_BLOCK,
         BLOCK_COLS=config.block_cols,
         num_warps=config.num_warps,

@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import fp8_dequantize, fp8_quantize, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8
+from . import fp8_dequantize, fp8_quantize, fp8_quantize_cols, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -33,6 +33,7 @@ def kernel_specs(hidden: int = 7168, ceil_rule: bool = True, input_kind: int = 0
     q, d = mxfp4_quantize.DEFAULT_CONFIG, mxfp4_dequantize.DEFAULT_CONFIG
     r, c = mxfp4_to_fp8.DEFAULT_ROWS_CONFIG, mxfp4_to_fp8.DEFAULT_COLS_CONFIG
     f, g = fp8_quantize.DEFAULT_CONFIG, fp8_dequantize.DEFAULT_CONFIG
+    fc = fp8_quantize_cols.DEFAULT_CONFIG
     blocks, groups = hidden // 32, hidden // 128
     pairs = "*i64" if input_kind == 2 else "*i32"
     return [
@@ -62,6 +63,12 @@ def kernel_specs(hidden: int = 7168, ceil_rule: bool = True, input_kind: int = 0
                    {"GROUPS_PER_ROW": groups, "KIND": input_kind, "BLOCK_ROWS": f.block_rows,
                     "BLOCK_GROUPS": f.block_cols},
                    f.num_warps, f.block_rows * f.block_cols * 128),
+        KernelSpec("quantize_fp8_cols", fp8_quantize_cols._quantize_fp8_cols_kernel,
+                   {"x_pairs_ptr": pairs, "out_ptr": "*u8", "scales_ptr": "*fp32", "counts_ptr": "*i64",
+                    "segment_offsets_ptr": "*i64", "num_rows": "i32", "num_experts": "i32", "capacity": "i32"},
+                   {"HIDDEN": hidden, "KIND": input_kind, "EXPERTS_POW2": 32, "TOKENS": 128,
+                    "BLOCK_PAIRS": fc.block_cols},
+                   fc.num_warps, 128 * fc.block_cols * 2),
         KernelSpec("dequantize_fp8", fp8_dequantize._dequantize_fp8_kernel,
                    {"data_pairs_ptr": "*i16", "scales_ptr": "*fp32", "out_pairs_ptr": "*i32", "num_rows": "i32"},
                    {"GROUPS_PER_ROW": groups, "BLOCK_ROWS": g.block_rows, "BLOCK_GROUPS": g.block_cols},
