@@ -7,6 +7,9 @@ computation, so any difference is a bug in packing, the wire, unpacking or the g
 Layouts: EP = 2 (TP 1) and EP = 1 x TP = 2 (sequence parallel), on the first two GPUs; bf16 and
 fp8 gradients; shared expert with and without overlap.
 
+--moe-fp4-saved-input (the experts' saved fc1 input kept as MXFP4) gives the same bits as the
+FP4 layer without it, in every layout.
+
 The recompute cache (--moe-fp4-cache), same machinery: a layer checkpointed with
 recompute_modules ["moe"], four micro-batches in flight, gives bit-identical outputs and gradients
 with the cache on and off, and with it on the recompute sends no forward dispatch (counted)."""
@@ -121,7 +124,11 @@ def _check_layout(rank, tp, ep, grad_format, overlap):
         fp4 = build_moe_layer(config, options).cuda()
         rounded = build_moe_layer(config).cuda()
         assert isinstance(fp4.token_dispatcher, FP4AlltoAllTokenDispatcher)
+        # --moe-fp4-saved-input: the experts' saved fc1 input kept as the payload; same bits expected.
+        fp4_saved = build_moe_layer(config, FP4DispatchOptions(scale_rule="ceil", grad_format=grad_format,
+                                                               saved_input=True)).cuda()
         fp4.load_state_dict(stock.state_dict())
+        fp4_saved.load_state_dict(stock.state_dict())
         rounded.load_state_dict(stock.state_dict())
         old = rounded.token_dispatcher
         rounded.token_dispatcher = _reference_dispatcher_class("ceil", grad_format)(
@@ -134,12 +141,16 @@ def _check_layout(rank, tp, ep, grad_format, overlap):
         out_fp4, dx_fp4, grads_fp4 = _run(fp4, x, gy)
         out_ref, dx_ref, grads_ref = _run(rounded, x, gy)
         out_stock, _, _ = _run(stock, x, gy)
+        out_saved, dx_saved, grads_saved = _run(fp4_saved, x, gy)
         where = f"rank {rank} tp={tp} ep={ep} grad={grad_format} overlap={overlap}"
         assert not _same_bits(out_fp4, out_stock), f"{where}: FP4 dispatch did not round anything"
         assert _same_bits(out_fp4, out_ref), f"{where}: forward output differs"
         assert _same_bits(dx_fp4, dx_ref), f"{where}: input gradient differs"
         for name, g in grads_ref.items():
             assert _same_bits(grads_fp4[name], g), f"{where}: gradient of {name} differs"
+        assert _same_bits(out_saved, out_fp4) and _same_bits(dx_saved, dx_fp4), f"{where}: saved-input FP4 differs"
+        for name, g in grads_fp4.items():
+            assert _same_bits(grads_saved[name], g), f"{where}: saved-input FP4, gradient of {name} differs"
     finally:
         parallel_state.destroy_model_parallel()
 

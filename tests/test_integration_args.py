@@ -69,3 +69,12 @@ def test_cache_flag_needs_dispatch_and_moe_recompute():
     with pytest.raises(FP4DispatchUnsupported, match="--recompute-modules moe"):
         _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["mlp"]))
     _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["moe", "layernorm"]))
+
+
+def test_saved_input_flag_needs_dispatch_and_no_permute_fusion():
+    assert _parse(["--moe-fp4-saved-input"]).moe_fp4_saved_input is True
+    with pytest.raises(FP4DispatchUnsupported, match="--moe-fp4-saved-input needs --moe-fp4-dispatch"):
+        _check(_config(moe_fp4_dispatch=False, moe_fp4_saved_input=True))
+    with pytest.raises(FP4DispatchUnsupported, match="--moe-permute-fusion"):
+        _check(_config(moe_fp4_saved_input=True, moe_permute_fusion=True))
+    _check(_config(moe_fp4_saved_input=True, moe_permute_fusion=False))

@@ -12,11 +12,13 @@ GRAD_FORMATS = ("bf16", "fp8")
 class FP4DispatchOptions:
     """scale_rule: MXFP4 block scale rule ("ceil" never clips; "floor" is OCP's).
     grad_format: the gradient's format on the reversed all-to-all ("bf16": unquantized in the model's dtype, exact; or "fp8" 1x128).
-    cache: keep a checkpointed MoE layer's received payload for its recompute (--moe-fp4-cache)."""
+    cache: keep a checkpointed MoE layer's received payload for its recompute (--moe-fp4-cache).
+    saved_input: keep the experts' saved fc1 input as the MXFP4 payload (--moe-fp4-saved-input)."""
 
     scale_rule: str = "ceil"
     grad_format: str = "bf16"
     cache: bool = False
+    saved_input: bool = False
 
     def __post_init__(self):
         check_scale_rule(self.scale_rule)
@@ -33,6 +35,7 @@ class FP4DispatchOptions:
             scale_rule=getattr(args, "moe_fp4_scale_rule", SCALE_RULES[0]),
             grad_format=getattr(args, "moe_fp4_dispatch_grad", GRAD_FORMATS[0]),
             cache=bool(getattr(args, "moe_fp4_cache", False)),
+            saved_input=bool(getattr(args, "moe_fp4_saved_input", False)),
         )
 
 

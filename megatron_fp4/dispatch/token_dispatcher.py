@@ -11,6 +11,7 @@ Routing, probs, the combine and every host sync are the parent's.
 from typing import List, Optional
 
 from megatron.core.tensor_parallel import all_to_all
+from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 import torch
@@ -19,6 +20,7 @@ from ..formats import FP8_BLOCK
 from .all_to_all import fp4_dispatch_all_to_all
 from .cache import CachedDispatch, DispatchCache, DispatchCacheError
 from .options import FP4DispatchOptions
+from ..tensors import MXFP4Tensor
 from .replay import replay_rows, replay_tokens
 
 
@@ -47,7 +49,16 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         # FP4MoELayer when its forward is checkpointed; None otherwise, and then nothing is cached).
         self.recompute_cache = DispatchCache(f"MoE experts {local_expert_indices[0]}..") if self.fp4_options.cache else None
         self.micro_batch_key = None
-        self.layer_names_micro_batches = False  # FP4MoELayer sets it; a patched stock MoELayer does not
+        self.layer_names_micro_batches = False  # FP4MoELayer sets it (and hooks the experts); a patched MoELayer does not
+        # With saved_input: the received payload, then the experts' input and its payload rows in
+        # the same order, for FP4MoELayer's saved-tensor hooks (see saved_fp4.py).
+        self._received_payload = None
+        self.expert_input_payload = None
+        if self.fp4_options.saved_input and (config.moe_permute_fusion or self.drop_and_pad):
+            raise ValueError(
+                "--moe-fp4-saved-input does not support --moe-permute-fusion or --moe-pad-expert-input-to-capacity "
+                "yet: the payload rows must be reordered like the experts' input, by the unfused sort"
+            )
 
     def _splits(self, num_tokens: int):
         """(output_splits, input_splits) as host lists. The parent leaves them None with a single
@@ -59,18 +70,17 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def _cache_role(self) -> str:
         """'record' in a checkpointed layer's first (no-grad) pass, 'replay' in its recompute."""
-        if self.recompute_cache is None:
-            return "none"
-        if not self.layer_names_micro_batches:
-            raise DispatchCacheError(
-                "--moe-fp4-cache needs the plugin's FP4MoELayer (use_fp4_dispatch or scripts/pretrain_gpt_fp4.py), "
-                "which tells the dispatcher which micro-batch runs; a patched Megatron MoELayer does not"
-            )
-        if self.micro_batch_key is None:
+        if self.recompute_cache is None or self.micro_batch_key is None:
             return "none"
         return "replay" if torch.is_grad_enabled() else "record"
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        if (self.recompute_cache is not None or self.fp4_options.saved_input) and not self.layer_names_micro_batches:
+            raise DispatchCacheError(
+                "--moe-fp4-cache and --moe-fp4-saved-input need the plugin's FP4MoELayer (use_fp4_dispatch or "
+                "scripts/pretrain_gpt_fp4.py), which names the micro-batch and installs the saved-tensor hooks; "
+                "a patched Megatron MoELayer does not"
+            )
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
@@ -95,7 +105,24 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if role == "record":
             entry = CachedDispatch(payload, global_probs, tuple(output_splits), tuple(input_splits))
             self.recompute_cache.store(self.micro_batch_key, entry)
+        self._keep_payload_for_experts(payload)
         return global_input_tokens, global_probs
+
+    def _keep_payload_for_experts(self, payload) -> None:
+        # Only a pass with grad saves tensors for backward.
+        if self.fp4_options.saved_input and torch.is_grad_enabled():
+            self._received_payload = payload
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        tokens, tokens_per_expert, probs = super().dispatch_postprocess(global_input_tokens, global_probs)
+        payload, self._received_payload = self._received_payload, None
+        if payload is not None and self.num_local_experts > 1:
+            # The parent sorted the tokens by local expert (its host sync is behind us): same for the rows.
+            rows, _ = sort_chunks_by_idxs(payload.rows, self.num_global_tokens_per_local_expert.ravel(),
+                                          self.sort_input_by_local_experts, fused=False)
+            payload = MXFP4Tensor(rows, payload.hidden, payload.scale_rule)
+        self.expert_input_payload = (tokens, payload) if payload is not None else None
+        return tokens, tokens_per_expert, probs
 
     def _replay_dispatch(self, permutated_local_input_tokens, permuted_probs, output_splits, input_splits):
         """The recompute pass: what the first pass received, from the cache; no forward all-to-all.
@@ -109,6 +136,7 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
         global_probs = replay_rows(permuted_probs, entry.probs, output_splits, input_splits, self.ep_group)
+        self._keep_payload_for_experts(entry.payload)
         return global_input_tokens, global_probs
 
 

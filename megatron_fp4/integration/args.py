@@ -50,6 +50,13 @@ def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "BF16 bytes) from its first pass, so that the recompute does not send the dispatch again. The "
         "gradient all-to-all still runs. Needs --moe-fp4-dispatch. Off by default.",
     )
+    group.add_argument(
+        "--moe-fp4-saved-input",
+        action="store_true",
+        help="Keep the saved fc1 input of Megatron's own experts (SequentialMLP) as the received MXFP4 payload "
+        "instead of BF16 (lossless: those values are FP4 values). Needs --moe-fp4-dispatch; not with "
+        "--moe-permute-fusion. Experimental: tested on CPU, not yet run on a GPU.",
+    )
     return parser
 
 
@@ -68,6 +75,8 @@ def check_fp4_dispatch_supported(args, megatron_core_version: Optional[str] = No
     if not getattr(args, "moe_fp4_dispatch", False):
         if getattr(args, "moe_fp4_cache", False):
             raise FP4DispatchUnsupported("--moe-fp4-cache needs --moe-fp4-dispatch: it caches the FP4 dispatch's payload.")
+        if getattr(args, "moe_fp4_saved_input", False):
+            raise FP4DispatchUnsupported("--moe-fp4-saved-input needs --moe-fp4-dispatch: it keeps the FP4 dispatch's payload.")
         return
     if megatron_core_version is None:
         import megatron.core
@@ -105,6 +114,11 @@ def check_fp4_dispatch_supported(args, megatron_core_version: Optional[str] = No
         raise FP4DispatchUnsupported(
             "--moe-fp4-cache serves only the recompute of whole MoE layers: add --recompute-granularity selective "
             "--recompute-modules moe (...), or drop --moe-fp4-cache."
+        )
+    if getattr(args, "moe_fp4_saved_input", False) and getattr(args, "moe_permute_fusion", False):
+        raise FP4DispatchUnsupported(
+            "--moe-fp4-saved-input does not support --moe-permute-fusion yet: the payload rows are reordered like "
+            "the experts' input by the unfused sort."
         )
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()

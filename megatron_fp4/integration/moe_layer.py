@@ -18,6 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..dispatch.cache import MicroBatchKey
 from ..dispatch.options import FP4DispatchOptions
+from ..dispatch.saved_fp4 import FP4SavedRows
 from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
 
 
@@ -54,6 +55,24 @@ class FP4MoELayer(MoELayer):
         # forward the caller runs under no_grad has no recompute coming and must cache nothing.
         self._forward_has_grad = torch.is_grad_enabled()
         return super().forward(hidden_states, *args, **kwargs)
+
+    def routed_experts_compute(self, hidden_states, probs):
+        dispatcher = self.token_dispatcher
+        if not dispatcher.fp4_options.saved_input or not torch.is_grad_enabled():
+            return super().routed_experts_compute(hidden_states, probs)
+        # The experts' input exists only once dispatch_postprocess has run inside the parent's
+        # method, so the hooks look it up lazily.
+        with torch.autograd.graph.saved_tensors_hooks(self._pack_expert_input, FP4SavedRows.unpack):
+            try:
+                return super().routed_experts_compute(hidden_states, probs)
+            finally:
+                dispatcher.expert_input_payload = None
+
+    def _pack_expert_input(self, t):
+        expert_input = self.token_dispatcher.expert_input_payload
+        if expert_input is None:
+            return t
+        return FP4SavedRows(*expert_input).pack(t)
 
     def route(self, hidden_states, *args, **kwargs):
         # Both passes of a checkpointed layer route the same input storage (the recompute gets the
