@@ -11,15 +11,13 @@ forward minus before, output included), and the cache's own bytes against the BF
 dispatched tokens. Also the forward FP4 dispatch alone, the time the cache should save.
 """
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from bench_moe_layer import parse_args, permuted_tokens_and_splits, slowest_median_ms
 from bench_moe_layer import moe_config as layer_config
-from run_info import run_description
+from bench_moe_layer import parse_args, permuted_tokens_and_splits, slowest_median_ms, start_expert_parallel
 
 
 def held_bytes(layer, x, grad):
@@ -52,21 +50,11 @@ def max_over_ranks(value: float) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv, description=__doc__)
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_fp4.dispatch import FP4DispatchOptions, fp4_dispatch_all_to_all
     from megatron_fp4.integration.standalone import build_moe_layer
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=world, expert_tensor_parallel_size=1)
-    model_parallel_cuda_manual_seed(1234)
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(run_description())
-    log(f"EP {world}, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, expert FFN {args.ffn}, "
-        f"{args.tokens} tokens per GPU, FP4 dispatch, BF16 experts")
+    rank, world, log = start_expert_parallel(args, "FP4 dispatch, BF16 experts")
 
     plain = layer_config(args, world)
     checkpointed = layer_config(args, world, recompute_granularity="selective", recompute_modules=["moe"])

@@ -79,6 +79,27 @@ def permuted_tokens_and_splits(layer, x):
     return tokens, [int(n) for n in dispatcher.output_splits], [int(n) for n in dispatcher.input_splits]
 
 
+def start_expert_parallel(args, what: str):
+    """NCCL on this torchrun rank's GPU, Megatron's parallel state with EP = all GPUs, the seed;
+    returns (rank, world size, a print that only rank 0 shows), after printing the run's header."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.experts % world:
+        raise SystemExit(f"--experts {args.experts} must be divisible by the number of GPUs ({world})")
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world, expert_tensor_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(run_description())
+    log(f"EP {world}, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, expert FFN {args.ffn}, "
+        f"{args.tokens} tokens per GPU, {what}")
+    return rank, world, log
+
+
 def layer_step(layer, x, grad):
     def step():
         inp = x.detach().requires_grad_(True)
@@ -101,7 +122,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import all_to_all
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import megatron_fp4 as mf
     from megatron_fp4.dispatch import FP4DispatchOptions, fp4_dispatch_all_to_all
@@ -109,18 +129,7 @@ def main(argv=None) -> int:
     from megatron_fp4.formats import mxfp4_wire_bytes_per_row
     from megatron_fp4.integration.standalone import build_moe_layer
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.experts % world:
-        raise SystemExit(f"--experts {args.experts} must be divisible by the number of GPUs ({world})")
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=world, expert_tensor_parallel_size=1)
-    model_parallel_cuda_manual_seed(1234)
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(run_description())
-    log(f"EP {world}, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, expert FFN {args.ffn}, "
-        f"{args.tokens} tokens per GPU, FP4 gradient {args.grad}")
+    rank, world, log = start_expert_parallel(args, f"FP4 gradient {args.grad}")
 
     config = moe_config(args, world)
     stock = build_moe_layer(config).cuda()
