@@ -12,14 +12,16 @@ from .kernels import (
     mxfp4_to_fp8_rows,
     quantize_fp8_cols,
     quantize_fp8_rows,
+    quantize_fp8_weight,
     quantize_mxfp4,
 )
-from .tensors import COLWISE, ROWWISE, FP8BlockTensor, MXFP4Tensor
+from .tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8BlockWeight, MXFP4Tensor
 
 __all__ = [
     "COLWISE",
     "ROWWISE",
     "FP8BlockTensor",
+    "FP8BlockWeight",
     "MXFP4Tensor",
     "dequantize_fp8",
     "dequantize_mxfp4",
@@ -27,6 +29,7 @@ __all__ = [
     "mxfp4_to_fp8_rows",
     "quantize_fp8_cols",
     "quantize_fp8_rows",
+    "quantize_fp8_weight",
     "quantize_mxfp4",
     "reference",
 ]

@@ -21,7 +21,7 @@ from .formats import (
     MXFP4_BLOCK,
     check_scale_rule,
 )
-from .tensors import COLWISE, ROWWISE, FP8BlockTensor, MXFP4Tensor
+from .tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8BlockWeight, MXFP4Tensor, padded_scale_columns
 
 # log2 of the fp32 FP8 scale offset: scale = 2^(S - 127 - 6) for a group whose largest byte is S.
 _FP8_SCALE_BIAS = E8M0_BIAS + FP4_TO_FP8_HEADROOM_LOG2
@@ -257,6 +257,33 @@ def quantize_fp8_cols(
         first_row += count
     t = quantize_fp8_rows(placed.t().contiguous())
     return FP8BlockTensor(t.data, t.block_scales, COLWISE, offsets.to(x.device))
+
+
+def quantize_fp8_weight(w: torch.Tensor, transpose: bool = False) -> FP8BlockWeight:
+    """BF16 / FP16 / FP32 [R, C] (both multiples of 128) -> FP8 with one power-of-two scale per
+    128x128 block, the scale rule of quantize_fp8_rows over the whole block; of w^T when
+    transpose (the same blocks, transposed: the dgrad operand). A block holding NaN or Inf gets a
+    NaN scale and NaN data."""
+    if transpose:
+        w = w.t()
+    rows, cols = w.shape
+    blocks = w.float().reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    finite = torch.isfinite(blocks)
+    block_is_nan = ~finite.all(dim=3).all(dim=1)
+    amax = torch.where(finite, blocks.abs(), 0.0).amax(dim=3).amax(dim=1)
+    log2_scale = fp8_scale_log2(amax)
+    scaled = (blocks.double() * _pow2(-log2_scale)[:, None, :, None]).float()
+    scaled = torch.where(block_is_nan[:, None, :, None], float("nan"), scaled)
+    scale = torch.where(block_is_nan, float("nan"), _pow2(log2_scale).float())
+    block_scales = torch.ones(rows // FP8_BLOCK, padded_scale_columns(cols), dtype=torch.float32, device=w.device)
+    block_scales[:, : cols // FP8_BLOCK] = scale
+    return FP8BlockWeight(scaled.to(torch.float8_e4m3fn).reshape(rows, cols), block_scales)
+
+
+def dequantize_fp8_weight(t: FP8BlockWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 128x128 blocks -> [rows, cols] in dtype: data * its block's scale in fp32."""
+    scale = t.scales().repeat_interleave(FP8_BLOCK, dim=0).repeat_interleave(FP8_BLOCK, dim=1)
+    return (t.data.float() * scale).to(dtype)
 
 
 def dequantize_fp8(t: FP8BlockTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

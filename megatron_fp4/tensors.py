@@ -4,7 +4,7 @@ MXFP4Tensor keeps one token per row in the wire format of DESIGN §3 (H/2 bytes 
 data, then H/32 E8M0 scale bytes), so the same buffer can go through the all-to-all unchanged.
 
 FP8BlockTensor keeps E4M3 data [rows, cols] with one power-of-two fp32 scale per 1x128 block
-along cols. The scales are stored transposed, [cols/128, rows] contiguous, because that is the
+along cols; FP8BlockWeight keeps the expert weights with one scale per 128x128 block. The scales are stored transposed, [cols/128, rows] contiguous, because that is the
 layout torch.nn.functional.scaled_mm takes for BlockWise1x128 operands on SM90.
 """
 
@@ -123,3 +123,47 @@ class FP8BlockTensor:
     def scaled_mm_scales(self) -> torch.Tensor:
         """The scales as torch.nn.functional.scaled_mm takes them: (rows, cols/128), strides (1, rows)."""
         return self.block_scales.t()
+
+
+def padded_scale_columns(cols: int) -> int:
+    """Scale columns of a 128x128-block operand: cols/128 rounded up to a multiple of 4, the
+    padding cuBLAS asks of a BlockWise128x128 scale tensor."""
+    return -(-(cols // FP8_BLOCK) // 4) * 4
+
+
+@dataclass(frozen=True)
+class FP8BlockWeight:
+    """E4M3 data [rows, cols] with one power-of-two fp32 scale per 128x128 block: a weight as the
+    second operand of Y = X W^T (rows = output features, cols = input features).
+
+    block_scales: fp32 [rows/128, padded_scale_columns(cols)] contiguous, the columns past
+                  cols/128 set to 1.0 and never read. scaled_mm_operand() gives (data.t(),
+                  block_scales.t()), the (b, scale_b) scaled_mm takes for BlockWise128x128 on SM90.
+    """
+
+    data: torch.Tensor
+    block_scales: torch.Tensor
+
+    def __post_init__(self):
+        if self.data.dtype != torch.float8_e4m3fn or self.data.dim() != 2:
+            raise ValueError(f"data must be 2-D float8_e4m3fn, got {self.data.dtype} {tuple(self.data.shape)}")
+        rows, cols = self.data.shape
+        if rows % FP8_BLOCK or cols % FP8_BLOCK:
+            raise ValueError(f"a block-scaled weight needs both sides multiples of {FP8_BLOCK}, got {rows} x {cols}")
+        expected = (rows // FP8_BLOCK, padded_scale_columns(cols))
+        if self.block_scales.dtype != torch.float32 or tuple(self.block_scales.shape) != expected:
+            raise ValueError(
+                f"block_scales must be fp32 {list(expected)}, got {self.block_scales.dtype} "
+                f"{tuple(self.block_scales.shape)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def scales(self) -> torch.Tensor:
+        """fp32 [rows/128, cols/128]: one scale per block, without the padding."""
+        return self.block_scales[:, : self.data.shape[1] // FP8_BLOCK]
+
+    def scaled_mm_operand(self):
+        return self.data.t(), self.block_scales.t()

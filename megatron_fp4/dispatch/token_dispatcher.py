@@ -50,10 +50,13 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.recompute_cache = DispatchCache(f"MoE experts {local_expert_indices[0]}..") if self.fp4_options.cache else None
         self.micro_batch_key = None
         self.layer_names_micro_batches = False  # FP4MoELayer sets it (and hooks the experts); a patched MoELayer does not
-        # With saved_input: the received payload, then the experts' input and its payload rows in
-        # the same order, for FP4MoELayer's saved-tensor hooks (see saved_fp4.py).
+        # With saved_input or FP8 experts: the received payload, then the experts' input and its
+        # payload rows in the same order, for FP4MoELayer's saved-tensor hooks (see saved_fp4.py)
+        # or for the experts themselves (take_expert_input).
         self._received_payload = None
         self.expert_input_payload = None
+        # Set by FP4MoELayer when its experts are FP8Experts, which read the payload in every pass.
+        self.payload_for_experts = False
         if self.fp4_options.saved_input and (config.moe_permute_fusion or self.drop_and_pad):
             raise ValueError(
                 "--moe-fp4-saved-input does not support --moe-permute-fusion or --moe-pad-expert-input-to-capacity "
@@ -109,9 +112,14 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return global_input_tokens, global_probs
 
     def _keep_payload_for_experts(self, payload) -> None:
-        # Only a pass with grad saves tensors for backward.
-        if self.fp4_options.saved_input and torch.is_grad_enabled():
+        # FP8 experts compute from the payload; the saved-input hooks only matter in a pass with grad.
+        if self.payload_for_experts or (self.fp4_options.saved_input and torch.is_grad_enabled()):
             self._received_payload = payload
+
+    def take_expert_input(self):
+        """(the experts' input, its payload rows in the same order), once; None when nothing was kept."""
+        entry, self.expert_input_payload = self.expert_input_payload, None
+        return entry
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         tokens, tokens_per_expert, probs = super().dispatch_postprocess(global_input_tokens, global_probs)

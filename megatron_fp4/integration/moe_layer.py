@@ -5,8 +5,6 @@
 patched; with options None the spec comes back untouched and the model is stock Megatron.
 """
 
-import copy
-import dataclasses
 import functools
 
 import torch
@@ -20,6 +18,8 @@ from ..dispatch.cache import MicroBatchKey
 from ..dispatch.options import FP4DispatchOptions
 from ..dispatch.saved_fp4 import FP4SavedRows
 from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
+from ..experts import FP8Experts
+from .spec_tree import rewrite_spec
 
 
 class FP4MoELayer(MoELayer):
@@ -47,8 +47,24 @@ class FP4MoELayer(MoELayer):
             options=fp4_options,
         )
         self.token_dispatcher.layer_names_micro_batches = True  # see route()
+        if isinstance(self.experts, FP8Experts):
+            self._feed_fp8_experts_from_payload(config, self.token_dispatcher.fp4_options)
         if self.shared_experts is not None and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
+
+    def _feed_fp8_experts_from_payload(self, config, options: FP4DispatchOptions) -> None:
+        """The FP8 experts read the received MXFP4 payload, sorted like their input, instead of BF16."""
+        if options.saved_input:
+            raise ValueError("--moe-fp4-saved-input is for Megatron's BF16 experts; the FP8 experts "
+                             "(--moe-fp4-experts fp8) already keep their saved input in FP4")
+        if config.moe_permute_fusion or self.token_dispatcher.drop_and_pad:
+            raise ValueError(
+                "--moe-fp4-experts fp8 behind --moe-fp4-dispatch does not support --moe-permute-fusion or "
+                "--moe-pad-expert-input-to-capacity yet: the payload rows are reordered like the experts' "
+                "input by the unfused sort"
+            )
+        self.token_dispatcher.payload_for_experts = True
+        self.experts.payload_source = self.token_dispatcher.take_expert_input
 
     def forward(self, hidden_states, *args, **kwargs):
         # A checkpointed layer's first pass runs without grad inside a forward that has it; a
@@ -88,39 +104,18 @@ class FP4MoELayer(MoELayer):
         return super().route(hidden_states, *args, **kwargs)
 
 
-def _swap_moe_layers(node, options: FP4DispatchOptions, seen: dict):
-    """Copy of `node` with each MoELayer builder replaced. Specs are trees of ModuleSpecs,
-    functools.partials (0.19 builds MoE layers as partial(MoELayer, submodules=...)), dataclasses,
-    lists and tuples; other objects (classes, functions, numbers) are shared, not copied."""
-    if id(node) in seen:
-        return seen[id(node)]
-    if isinstance(node, functools.partial):
-        args = tuple(_swap_moe_layers(a, options, seen) for a in node.args)
-        keywords = {k: _swap_moe_layers(v, options, seen) for k, v in node.keywords.items()}
-        func = node.func
-        if func is MoELayer:
-            func, keywords = FP4MoELayer, {**keywords, "fp4_options": options}
-        out = functools.partial(func, *args, **keywords)
-        seen[id(node)] = out
-        return out
-    if isinstance(node, ModuleSpec):
-        out = copy.copy(node)
-        seen[id(node)] = out
-        if node.module is MoELayer:
-            out.module = FP4MoELayer
-            out.params = {**node.params, "fp4_options": options}
-        out.submodules = _swap_moe_layers(node.submodules, options, seen)
-        return out
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        out = copy.copy(node)
-        seen[id(node)] = out
-        for field in dataclasses.fields(node):
-            # object.__setattr__ also works on frozen dataclasses (out is our own copy).
-            object.__setattr__(out, field.name, _swap_moe_layers(getattr(node, field.name), options, seen))
-        return out
-    if isinstance(node, (list, tuple)):
-        return type(node)(_swap_moe_layers(item, options, seen) for item in node)
-    return node
+def _fp4_moe_layer(options: FP4DispatchOptions):
+    """A rewrite_spec hook that builds FP4MoELayer(fp4_options=options) where the spec builds MoELayer."""
+
+    def rewrite(node):
+        if isinstance(node, functools.partial) and node.func is MoELayer:
+            return functools.partial(FP4MoELayer, *node.args, **{**node.keywords, "fp4_options": options})
+        if isinstance(node, ModuleSpec) and node.module is MoELayer:
+            node.module = FP4MoELayer
+            node.params = {**node.params, "fp4_options": options}
+        return node
+
+    return rewrite
 
 
 def use_fp4_dispatch(spec, options: Optional[FP4DispatchOptions]):
@@ -128,7 +123,7 @@ def use_fp4_dispatch(spec, options: Optional[FP4DispatchOptions]):
     dispatching in FP4; unchanged (the same object) when options is None."""
     if options is None or spec is None:
         return spec
-    return _swap_moe_layers(spec, options, {})
+    return rewrite_spec(spec, _fp4_moe_layer(options))
 
 
 def count_fp4_moe_layers(model) -> int:

@@ -4,6 +4,7 @@ from ._checks import TileConfig
 from .fp8_dequantize import dequantize_fp8
 from .fp8_quantize import quantize_fp8_rows
 from .fp8_quantize_cols import quantize_fp8_cols
+from .fp8_quantize_weight import quantize_fp8_weight
 from .mxfp4_dequantize import dequantize_mxfp4
 from .mxfp4_quantize import quantize_mxfp4
 from .mxfp4_to_fp8 import mxfp4_to_fp8_cols, mxfp4_to_fp8_rows
@@ -16,5 +17,6 @@ __all__ = [
     "mxfp4_to_fp8_rows",
     "quantize_fp8_cols",
     "quantize_fp8_rows",
+    "quantize_fp8_weight",
     "quantize_mxfp4",
 ]

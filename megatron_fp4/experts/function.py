@@ -1,0 +1,150 @@
+"""The experts' forward and backward as one autograd function over all local experts.
+
+Forward, per expert segment: fc1 = X W1^T in FP8 (X from the MXFP4 payload by the exact
+FP4 -> FP8 row conversion, or quantized from BF16 for the FP8 baseline), SwiGLU times the probs,
+fc2 = H W2^T in FP8 from 1x128 rows of H. Weights are quantized to 128x128 blocks per use, never
+kept. Saved for backward: with a payload, the payload itself and MXFP4 copies of the SwiGLU input
+and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the FP8
+baseline), the same three tensors in BF16.
+
+Backward: dgrad in FP8 (gradient 1x128 rows, weights transposed 128x128); wgrad in FP8 with both
+operands 1x128 along tokens per expert segment (the column kernels). Weight gradients go to
+main_grad when Megatron fuses gradient accumulation, as its own linear layers do.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from .. import kernels as K
+from ..tensors import MXFP4Tensor
+from .gemm import columns_segment, columns_segment_as_b, gemm_1x128, gemm_by_weight, rows_segment
+from .segments import ExpertSegments
+from .swiglu import swiglu_with_probs, swiglu_with_probs_backward
+
+
+@dataclass(frozen=True)
+class ExpertsCall:
+    """What one forward needs besides tensors."""
+
+    segments: ExpertSegments
+    scale_rule: str  # MXFP4 rule of the saved activations (the dispatch's own rule)
+    glu_offset: float
+    accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
+
+
+def weight_gradient(param: torch.Tensor, grad: torch.Tensor, accumulate_in_main_grad: bool) -> Optional[torch.Tensor]:
+    """What backward returns for `param`. With fused accumulation the gradient is added to
+    param.main_grad here, and (as Megatron's linear layers do under DDP) a dummy is returned so that
+    DDP's hook, which sees grad_added_to_main_grad, runs on the main thread and adds nothing."""
+    if not (accumulate_in_main_grad and hasattr(param, "main_grad")):
+        return grad.to(param.dtype)
+    param.main_grad.add_(grad)
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    if getattr(param, "zero_out_wgrad", False):
+        return torch.zeros(param.shape, dtype=grad.dtype, device=grad.device)
+    return torch.empty(param.shape, dtype=grad.dtype, device=grad.device)
+
+
+class FP8ExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: ExpertsCall, tokens, probs, payload_rows, *weights):
+        segments = call.segments
+        num_experts = len(segments.counts)
+        fc1_weights, fc2_weights = weights[:num_experts], weights[num_experts:]
+        num_tokens, hidden = tokens.shape
+        ffn = fc2_weights[0].shape[1]
+        dtype = tokens.dtype
+
+        if payload_rows is not None:
+            input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
+        else:
+            input_rows = K.quantize_fp8_rows(tokens)
+        fc1_out = tokens.new_empty(num_tokens, 2 * ffn)
+        fc2_in = tokens.new_empty(num_tokens, ffn)
+        for expert, first, end, _, _ in segments.non_empty():
+            fc1_out[first:end] = gemm_by_weight(*rows_segment(input_rows, first, end),
+                                                K.quantize_fp8_weight(fc1_weights[expert]), dtype)
+            fc2_in[first:end] = swiglu_with_probs(fc1_out[first:end], probs[first:end], call.glu_offset).to(dtype)
+        del input_rows
+
+        fc2_in_rows = K.quantize_fp8_rows(fc2_in)
+        output = tokens.new_empty(num_tokens, hidden)
+        for expert, first, end, _, _ in segments.non_empty():
+            output[first:end] = gemm_by_weight(*rows_segment(fc2_in_rows, first, end),
+                                               K.quantize_fp8_weight(fc2_weights[expert]), dtype)
+
+        if payload_rows is not None:
+            saved = (payload_rows, K.quantize_mxfp4(fc1_out, call.scale_rule).rows,
+                     K.quantize_mxfp4(fc2_in, call.scale_rule).rows)
+        else:
+            saved = (tokens, fc1_out, fc2_in)
+        ctx.save_for_backward(*saved, probs, *weights)
+        ctx.call = call
+        ctx.from_payload = payload_rows is not None
+        ctx.sizes = (hidden, ffn)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        call = ctx.call
+        segments = call.segments
+        hidden, ffn = ctx.sizes
+        saved_input, saved_fc1_out, saved_fc2_in, probs, *weights = ctx.saved_tensors
+        num_experts = len(segments.counts)
+        fc1_weights, fc2_weights = weights[:num_experts], weights[num_experts:]
+        grad_output = grad_output.contiguous()
+        dtype = grad_output.dtype
+        counts = segments.counts_device
+
+        def mxfp4(rows, width):
+            return MXFP4Tensor(rows, width, call.scale_rule)
+
+        # fc2: dgrad and wgrad.
+        if ctx.from_payload:
+            fc2_in_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_fc2_in, ffn), counts, check_counts=False)
+            fc1_out = K.dequantize_mxfp4(mxfp4(saved_fc1_out, 2 * ffn))
+        else:
+            fc2_in_cols = K.quantize_fp8_cols(saved_fc2_in, counts, check_counts=False)
+            fc1_out = saved_fc1_out
+        grad_rows = K.quantize_fp8_rows(grad_output)
+        grad_cols = K.quantize_fp8_cols(grad_output, counts, check_counts=False)
+        grad_fc1_out = grad_output.new_empty(segments.num_tokens, 2 * ffn)
+        grad_probs = torch.zeros_like(probs)
+        grad_fc2: List[Optional[torch.Tensor]] = [None] * num_experts
+        for expert, first, end, col, col_end in segments.non_empty():
+            grad_fc2_in = gemm_by_weight(*rows_segment(grad_rows, first, end),
+                                         K.quantize_fp8_weight(fc2_weights[expert], transpose=True), dtype)
+            grad_fc2[expert] = gemm_1x128(*columns_segment(grad_cols, col, col_end),
+                                          *columns_segment_as_b(fc2_in_cols, col, col_end), dtype)
+            grad_act, grad_p = swiglu_with_probs_backward(fc1_out[first:end], probs[first:end], grad_fc2_in,
+                                                          call.glu_offset)
+            grad_fc1_out[first:end] = grad_act.to(dtype)
+            grad_probs[first:end] = grad_p.to(probs.dtype)
+        del grad_rows, grad_cols, fc2_in_cols, fc1_out
+
+        # fc1: dgrad and wgrad.
+        if ctx.from_payload:
+            input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input, hidden), counts, check_counts=False)
+        else:
+            input_cols = K.quantize_fp8_cols(saved_input, counts, check_counts=False)
+        grad_rows = K.quantize_fp8_rows(grad_fc1_out)
+        grad_cols = K.quantize_fp8_cols(grad_fc1_out, counts, check_counts=False)
+        del grad_fc1_out
+        grad_input = grad_output.new_empty(segments.num_tokens, hidden)
+        grad_fc1: List[Optional[torch.Tensor]] = [None] * num_experts
+        for expert, first, end, col, col_end in segments.non_empty():
+            grad_input[first:end] = gemm_by_weight(*rows_segment(grad_rows, first, end),
+                                                   K.quantize_fp8_weight(fc1_weights[expert], transpose=True), dtype)
+            grad_fc1[expert] = gemm_1x128(*columns_segment(grad_cols, col, col_end),
+                                          *columns_segment_as_b(input_cols, col, col_end), dtype)
+
+        weight_grads = []
+        for param, grad in zip(weights, grad_fc1 + grad_fc2):
+            if grad is None:  # an expert without tokens this step
+                grad = torch.zeros(param.shape, dtype=dtype, device=param.device)
+            weight_grads.append(weight_gradient(param, grad, call.accumulate_in_main_grad))
+        return (None, grad_input, grad_probs, None, *weight_grads)

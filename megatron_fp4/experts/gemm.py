@@ -1,0 +1,64 @@
+"""The experts' FP8 GEMMs, one expert segment at a time.
+
+On CUDA: torch.nn.functional.scaled_mm with DeepSeek-style block scales (SM90, cuBLASLt >= 12.9):
+activations and gradients in 1x128 blocks, weights in 128x128 blocks. On CPU (CI), where no FP8
+GEMM exists, the same product of the dequantized operands in fp32: the operands, their layouts
+and the slicing are the ones the GPU uses, only the multiply-accumulate differs.
+
+Operand conventions (scaled_mm's): a is [M, K] row-major with scales (M, K/128) of strides (1, M);
+b is [K, N] column-major with scales (N, K/128) of strides (1, N) for 1x128, or
+(round_up(K/128, 4), N/128) of strides (1, round_up(K/128, 4)) for 128x128.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import FP8_BLOCK
+from ..tensors import FP8BlockTensor, FP8BlockWeight
+
+
+def rows_segment(t: FP8BlockTensor, start: int, end: int):
+    """Rows [start, end) of a rowwise operand as (a, scale_a). The scales are copied so that their
+    leading stride is the segment's row count, as scaled_mm requires."""
+    return t.data[start:end], t.block_scales[:, start:end].contiguous().t()
+
+
+def columns_segment(t: FP8BlockTensor, start: int, end: int):
+    """Columns [start, end) (128-aligned) of a colwise operand X^T [rows, capacity] as (a, scale_a):
+    a [rows, end - start] with 1x128 blocks along its K = tokens."""
+    return t.data[:, start:end], t.block_scales[start // FP8_BLOCK : end // FP8_BLOCK].t()
+
+
+def columns_segment_as_b(t: FP8BlockTensor, start: int, end: int):
+    """The same columns as scaled_mm's b: [end - start, rows] column-major (K = tokens, N = rows)."""
+    data, scales = columns_segment(t, start, end)
+    return data.t(), scales
+
+
+def _dequantize_a(a: torch.Tensor, scale_a: torch.Tensor) -> torch.Tensor:
+    return a.float() * scale_a.repeat_interleave(FP8_BLOCK, dim=1)
+
+
+def _emulated(a, scale_a, b_values: torch.Tensor, out_dtype) -> torch.Tensor:
+    return (_dequantize_a(a, scale_a) @ b_values).to(out_dtype)
+
+
+def gemm_by_weight(a: torch.Tensor, scale_a: torch.Tensor, weight: FP8BlockWeight,
+                   out_dtype=torch.bfloat16) -> torch.Tensor:
+    """a (1x128 blocks) @ weight.data^T (128x128 blocks): [M, K] x [K, N] with weight [N, K]."""
+    b, scale_b = weight.scaled_mm_operand()
+    if a.is_cuda:
+        return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise128x128,
+                           output_dtype=out_dtype)
+    scales = weight.scales().repeat_interleave(FP8_BLOCK, dim=0).repeat_interleave(FP8_BLOCK, dim=1)
+    return _emulated(a, scale_a, (weight.data.float() * scales).t(), out_dtype)
+
+
+def gemm_1x128(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
+               out_dtype=torch.bfloat16) -> torch.Tensor:
+    """a @ b with both operands in 1x128 blocks along K (the weight-gradient GEMMs)."""
+    if a.is_cuda:
+        return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise1x128,
+                           output_dtype=out_dtype)
+    b_values = b.float() * scale_b.t().repeat_interleave(FP8_BLOCK, dim=0)
+    return _emulated(a, scale_a, b_values, out_dtype)

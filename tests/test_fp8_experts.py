@@ -1,0 +1,251 @@
+"""FP8Experts (issue 4) on one rank: the math against a float64 oracle of the same quantization
+steps, the error against unquantized float64 math, what is saved for backward, that it is freed,
+the checkpoint keys, the spec swap and the refusals. On CPU the kernels run under the interpreter
+and the GEMMs are emulated in fp32; on a GPU the same tests run scaled_mm."""
+
+import functools
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+from megatron_fp4 import reference as ref
+from megatron_fp4.experts import FP8Experts
+from megatron_fp4.formats import mxfp4_wire_bytes_per_row
+from megatron_fp4.integration.experts_spec import use_fp8_experts
+
+from experts_reference import fp8_experts_oracle
+
+HIDDEN, FFN, EXPERTS = 256, 128, 4
+COUNTS = [130, 0, 70, 1]  # a segment over 128 tokens, an empty expert, a single token
+
+
+def _config(**overrides):
+    settings = dict(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=EXPERTS, moe_router_topk=2,
+        moe_ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16, gradient_accumulation_fusion=False,
+    )
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def _experts_builder(kind: str):
+    spec = use_fp8_experts(get_gpt_layer_local_spec(num_experts=EXPERTS), kind)
+    return spec.submodules.mlp.keywords["submodules"].experts
+
+
+@pytest.fixture
+def model_parallel():
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    try:
+        yield get_default_pg_collection()
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def _build(pg_collection, device, kind="fp8", seed=3, **overrides):
+    torch.manual_seed(seed)
+    experts = _experts_builder(kind)(EXPERTS, _config(**overrides), pg_collection=pg_collection).to(device)
+    # Megatron initializes weights with std 0.02; spread them over a few binades so that the
+    # 128x128 blocks get different scales.
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.mul_(torch.exp2(torch.randint(-3, 4, p.shape[:1], device=device).float()).unsqueeze(1).to(p.dtype))
+    return experts
+
+
+def _inputs(device, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(COUNTS)
+    raw = torch.randn(tokens, HIDDEN, generator=g) * torch.exp2(torch.randint(-4, 4, (tokens, HIDDEN), generator=g).float())
+    payload = ref.quantize_mxfp4(raw.bfloat16().to(device))
+    probs = torch.rand(tokens, generator=g).to(device)
+    grad = (torch.randn(tokens, HIDDEN, generator=g) * 0.1).bfloat16().to(device)
+    return payload, probs, grad
+
+
+def _run(experts, received, probs, grad, payload=None):
+    experts.zero_grad(set_to_none=True)
+    x = received.clone().requires_grad_(True)
+    p = probs.clone().requires_grad_(True)
+    if payload is not None:
+        experts.payload_source = lambda: (x, payload)
+    out, bias = experts(x, torch.tensor(COUNTS), p)
+    assert bias is None
+    out.backward(grad)
+    experts.payload_source = None
+    return out.detach(), x.grad, p.grad, experts
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double().cpu()
+    return ((actual.double().cpu() - expected).norm() / expected.norm()).item()
+
+
+def _compare(result, oracle, experts, bound):
+    out, grad_x, grad_p, _ = result
+    errors = {"output": _relative(out, oracle.output), "input grad": _relative(grad_x, oracle.grad_input),
+              "probs grad": _relative(grad_p, oracle.grad_probs)}
+    for e, expert in enumerate(experts.local_experts):
+        if COUNTS[e]:
+            errors[f"fc1 grad {e}"] = _relative(expert.linear_fc1.weight.grad, oracle.grad_fc1[e])
+            errors[f"fc2 grad {e}"] = _relative(expert.linear_fc2.weight.grad, oracle.grad_fc2[e])
+        else:  # no tokens: a zero gradient, not None (DDP expects one)
+            assert not expert.linear_fc1.weight.grad.any() and not expert.linear_fc2.weight.grad.any()
+    print({k: f"{v:.1e}" for k, v in errors.items()})
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < bound, (worst, errors[worst])
+    return errors
+
+
+def _weights(experts):
+    fc1 = [e.linear_fc1.weight.detach().cpu() for e in experts.local_experts]
+    fc2 = [e.linear_fc2.weight.detach().cpu() for e in experts.local_experts]
+    return fc1, fc2
+
+
+@pytest.mark.parametrize("from_payload", [True, False], ids=["fp4-payload", "bf16-input"])
+def test_matches_the_float64_oracle_of_the_same_quantization(model_parallel, device, from_payload):
+    experts = _build(model_parallel, device)
+    payload, probs, grad = _inputs(device)
+    received = ref.dequantize_mxfp4(payload)
+    result = _run(experts, received, probs, grad, payload if from_payload else None)
+    cpu_payload = ref.quantize_mxfp4(received.cpu()) if from_payload else None
+    oracle = fp8_experts_oracle(received.cpu(), cpu_payload, COUNTS, probs.cpu(), *_weights(experts), grad.cpu())
+    # Only the accumulation (fp32 vs float64) and BF16 ties of intermediates differ.
+    _compare(result, oracle, experts, bound=2e-2)
+
+
+def test_error_against_unquantized_math_is_within_fp8_and_fp4_expectations(model_parallel, device):
+    """The whole recipe against float64 math on the same (FP4-rounded) input: FP8 operands give a
+    few percent; the MXFP4-saved SwiGLU and fc2 inputs add more to the gradients."""
+    experts = _build(model_parallel, device)
+    payload, probs, grad = _inputs(device)
+    received = ref.dequantize_mxfp4(payload)
+    result = _run(experts, received, probs, grad, payload)
+
+    x = received.cpu().double().requires_grad_(True)
+    p = probs.cpu().double().requires_grad_(True)
+    fc1, fc2 = [[w.double().requires_grad_(True) for w in ws] for ws in _weights(experts)]
+    outs, start = [], 0
+    for e, n in enumerate(COUNTS):
+        gate, linear = (x[start : start + n] @ fc1[e].t()).chunk(2, dim=-1)
+        outs.append((F.silu(gate) * linear * p[start : start + n, None]) @ fc2[e].t())
+        start += n
+    torch.cat(outs).backward(grad.cpu().double())
+    errors = {"output": _relative(result[0], torch.cat(outs).detach()), "input grad": _relative(result[1], x.grad),
+              "probs grad": _relative(result[2], p.grad)}
+    for e, expert in enumerate(experts.local_experts):
+        if COUNTS[e] > 1:
+            errors[f"fc1 grad {e}"] = _relative(expert.linear_fc1.weight.grad, fc1[e].grad)
+            errors[f"fc2 grad {e}"] = _relative(expert.linear_fc2.weight.grad, fc2[e].grad)
+    print({k: f"{v:.1e}" for k, v in errors.items()})
+    assert errors["output"] < 0.08
+    assert max(errors.values()) < 0.25, errors
+
+
+def test_saves_only_fp4_and_frees_it_after_backward(model_parallel, device):
+    experts = _build(model_parallel, device)
+    payload, probs, grad = _inputs(device)
+    x = ref.dequantize_mxfp4(payload).requires_grad_(True)
+    experts.payload_source = lambda: (x, payload)
+    params = {id(p) for p in experts.parameters()}
+    saved = []
+
+    def pack(t):
+        if id(t) not in params:
+            saved.append((t.dtype, t.numel() * t.element_size(), weakref.ref(t)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = experts(x, torch.tensor(COUNTS), probs.clone().requires_grad_(True))
+    tokens = sum(COUNTS)
+    expected = tokens * (mxfp4_wire_bytes_per_row(HIDDEN) + mxfp4_wire_bytes_per_row(2 * FFN)
+                         + mxfp4_wire_bytes_per_row(FFN))
+    assert sorted(str(dtype) for dtype, _, _ in saved) == sorted(map(str, [torch.uint8] * 3 + [probs.dtype]))
+    assert sum(size for dtype, size, _ in saved if dtype == torch.uint8) == expected
+    # BF16 would hold 2 bytes per element of the same three tensors: FP4 keeps 26.6% of that.
+    assert expected / (tokens * 2 * (HIDDEN + 3 * FFN)) < 0.27
+    out.backward(grad)
+    del payload, x
+    experts.payload_source = None
+    gc.collect()
+    assert all(ref_() is None for dtype, _, ref_ in saved if dtype == torch.uint8), "saved FP4 kept after backward"
+
+
+def test_weight_gradients_accumulate_in_main_grad_when_fused(model_parallel, device):
+    experts = _build(model_parallel, device)
+    fused = _build(model_parallel, device, gradient_accumulation_fusion=True)
+    payload, probs, grad = _inputs(device)
+    received = ref.dequantize_mxfp4(payload)
+    _run(experts, received, probs, grad, payload)
+    for p in fused.parameters():
+        p.main_grad = torch.full(p.shape, 1.0, dtype=torch.float32, device=device)
+        p.grad_added_to_main_grad = False
+    _run(fused, received, probs, grad, payload)
+    for (name, p), p_fused in zip(experts.named_parameters(), fused.parameters()):
+        assert p_fused.grad_added_to_main_grad, name
+        assert torch.equal(p_fused.main_grad, 1.0 + p.grad.float()), name
+
+
+def test_checkpoint_keys_and_shapes_are_sequential_mlps(model_parallel, device):
+    ours = _build(model_parallel, device, "fp8")
+    megatron = _build(model_parallel, device, "bf16", seed=4)
+    assert type(megatron).__name__ == "SequentialMLP" and isinstance(ours, FP8Experts)
+    sharded_ours, sharded_megatron = ours.sharded_state_dict(), megatron.sharded_state_dict()
+    assert sorted(sharded_ours) == sorted(sharded_megatron)
+    def layout(entry):  # a ShardedTensor, or the SwiGLU factory Megatron uses for fc1
+        if hasattr(entry, "local_shape"):
+            return type(entry), entry.key, entry.local_shape, entry.global_shape, entry.global_offset
+        if hasattr(entry, "global_shape"):  # ShardedObject (e.g. extra state)
+            return type(entry), entry.key, entry.global_shape, entry.global_offset
+        return type(entry), entry.key, tuple(entry.data.shape), entry.replica_id
+
+    for key, entry in sharded_ours.items():
+        assert layout(entry) == layout(sharded_megatron[key]), key
+    # And the plain state dicts load into each other.
+    megatron.load_state_dict(ours.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), megatron.parameters()))
+
+
+def test_spec_swap_and_switch_off():
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS)
+    assert use_fp8_experts(spec, "bf16") is spec
+    swapped = use_fp8_experts(spec, "fp8").submodules.mlp.keywords["submodules"].experts
+    assert isinstance(swapped, functools.partial) and swapped.func is FP8Experts
+    assert spec.submodules.mlp.keywords["submodules"].experts.func.__name__ == "SequentialMLP"
+    with pytest.raises(ValueError, match="experts must be one of"):
+        use_fp8_experts(spec, "fp4")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(gated_linear_unit=False), "SwiGLU"),
+    (dict(activation_func=F.gelu), "SwiGLU"),
+    (dict(add_bias_linear=True), "bias"),
+    (dict(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True), "apply-probs-on-input"),
+    (dict(moe_ffn_hidden_size=192), "moe_ffn_hidden_size divisible by 128"),
+])
+def test_refusals(model_parallel, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _build(model_parallel, "cpu", **overrides)
+
+
+def test_refuses_a_payload_for_other_tokens(model_parallel, device):
+    experts = _build(model_parallel, device)
+    payload, probs, _ = _inputs(device)
+    x = ref.dequantize_mxfp4(payload)
+    experts.payload_source = lambda: (x.clone(), payload)
+    with pytest.raises(RuntimeError, match="no payload for these tokens"):
+        experts(x, torch.tensor(COUNTS), probs)
+    experts.payload_source = lambda: (x, payload)
+    with pytest.raises(ValueError, match="does not describe"):
+        experts(x, torch.tensor([1, 2, 3, 4]), probs)

@@ -1,0 +1,56 @@
+"""FP8 128x128 weight quantization (the expert weights' format): the Triton kernel against the
+reference bit for bit, plain and transposed, with the hard cases inside single blocks."""
+
+import pytest
+import torch
+
+import megatron_fp4 as mf
+from megatron_fp4 import reference as ref
+
+from inputs import assert_same_bits, hard_input, random_input
+
+FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def assert_same_weight(actual: mf.FP8BlockWeight, expected: mf.FP8BlockWeight) -> None:
+    assert_same_bits(actual.data, expected.data)
+    assert_same_bits(actual.block_scales, expected.block_scales)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_quantize_fp8_weight_hard_cases(device, dtype, transpose):
+    # 384 x 640: 3 x 5 blocks, so the scale columns are padded (5 -> 8, or 3 -> 4 transposed).
+    w = hard_input(384, 640, dtype, seed=31, device=device)
+    w[256:384, 256:384] = 0.0  # one all-zero block
+    got = mf.quantize_fp8_weight(w, transpose=transpose)
+    expected = ref.quantize_fp8_weight(w, transpose=transpose)
+    assert_same_weight(got, expected)
+    # Blocks with NaN / Inf planted by hard_input are NaN; the zero block has the smallest scale.
+    scales = expected.scales() if not transpose else expected.scales().t()
+    assert torch.isnan(scales[0, 0])
+    assert scales[2, 2] == 2.0**-126
+    assert torch.isfinite(scales[1:]).all() and torch.isfinite(scales[0, 1:]).all()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_quantize_fp8_weight_fresh_random(device, seed):
+    w = random_input(256, 512, torch.bfloat16, seed=40 + seed, device=device) * 0.02
+    plain = mf.quantize_fp8_weight(w)
+    assert_same_weight(plain, ref.quantize_fp8_weight(w))
+    # The transposed quantization is the same blocks transposed, and the padding is 1.0.
+    transposed = mf.quantize_fp8_weight(w, transpose=True)
+    assert_same_bits(transposed.data, plain.data.t().contiguous())
+    assert_same_bits(transposed.scales(), plain.scales().t().contiguous())
+    assert (plain.block_scales[:, 4:] == 1.0).all() and (transposed.block_scales[:, 2:] == 1.0).all()
+    # Each value within half an E4M3 unit of the weight (2^-4 relative, 2^-10 x scale absolute).
+    scale = plain.scales().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    error = (ref.dequantize_fp8_weight(plain) - w.float()).abs()
+    assert (error <= w.float().abs() * 2**-4 + scale * 2**-10).all()
+
+
+def test_quantize_fp8_weight_refuses_bad_shapes(device):
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mf.quantize_fp8_weight(torch.zeros(100, 256, device=device))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mf.quantize_fp8_weight(torch.zeros(128, 200, device=device))
