@@ -48,7 +48,7 @@ def max_over_ranks(value: float) -> float:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv, description=__doc__)
+    args = parse_args(argv, description=__doc__, experts_table=False)
     from megatron.core import parallel_state
 
     from megatron_fp4.dispatch import FP4DispatchOptions, fp4_dispatch_all_to_all

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Stock alltoall MoE layer vs the FP4-dispatch MoE layer, in one torchrun job (issue 3).
+"""Stock alltoall MoE layer vs the FP4-dispatch MoE layer (issue 3), and the four expert
+configurations of issue 4, in one torchrun job.
 
     torchrun --nproc-per-node 4 scripts/bench_moe_layer.py                 # 32 experts over EP 4
     torchrun --nproc-per-node 2 scripts/bench_moe_layer.py --experts 16    # 16 experts over EP 2
@@ -11,6 +12,12 @@ weights, the same random tokens and the same routing. Printed on rank 0:
 - dispatch phase: quantize + all-to-all + dequantize (FP4) vs the BF16 all-to-all alone, forward,
   on the real permuted tokens and splits of this routing, and each FP4 part timed alone;
 - layer forward+backward time and peak memory of each layer.
+Then four rows (issue 4): stock BF16; the FP8 baseline (our FP8 experts behind the BF16 dispatch,
+keeping BF16 activations); FP4 dispatch + Megatron's BF16 experts; FP4 dispatch + FP8 experts.
+Columns: forward+backward time, the experts' GEMM TFLOP/s (18 x hidden x FFN FLOPs per routed token
+over the layer time) against an FP8 blockwise GEMM ceiling measured in the same run, bytes the layer
+holds between forward and backward (allocated after forward minus before; includes the 2-byte
+output), and peak memory.
 Times are medians over --iters after --warmup, the slowest rank's median (CUDA events).
 """
 
@@ -26,7 +33,7 @@ import torch.nn.functional as F
 from run_info import run_description
 
 
-def parse_args(argv, description=__doc__):
+def parse_args(argv, description=__doc__, experts_table=True):
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--ffn", type=int, default=2048, help="expert FFN hidden size")
@@ -36,6 +43,8 @@ def parse_args(argv, description=__doc__):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--grad", choices=("bf16", "fp8"), default="bf16", help="FP4 dispatch gradient format")
+    if experts_table:
+        p.add_argument("--no-experts-table", action="store_true", help="skip issue 4's four-row experts comparison")
     return p.parse_args(argv)
 
 
@@ -108,6 +117,70 @@ def layer_step(layer, x, grad):
     return step
 
 
+def held_for_backward_mib(layer, x, grad) -> float:
+    """Bytes allocated by the forward and still held when backward starts (max over ranks)."""
+    inp = x.detach().requires_grad_(True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out, _ = layer(inp)
+    torch.cuda.synchronize()
+    held = torch.tensor([(torch.cuda.memory_allocated() - before) / 2**20], device="cuda")
+    out.backward(grad)
+    del out
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    return float(held)
+
+
+def fp8_gemm_ceiling_tflops(args) -> float:
+    """TFLOP/s of one large FP8 GEMM with the experts' scaling (1x128 activations, 128x128 weights),
+    shaped like fc1 with 16384 tokens, random data."""
+    import megatron_fp4 as mf
+    from megatron_fp4.experts.gemm import gemm_by_weight, rows_segment
+
+    m, k, n = 16384, args.hidden, 2 * args.ffn
+    a = mf.quantize_fp8_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    w = mf.quantize_fp8_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    operand = rows_segment(a, 0, m)
+    ms = slowest_median_ms(lambda: gemm_by_weight(*operand, w), args.iters, args.warmup)
+    return 2 * m * k * n / ms / 1e9
+
+
+def compare_experts(args, config, x, grad, stock, fp4, log) -> None:
+    """Issue 4's four rows, from one run."""
+    from megatron_fp4.dispatch import FP4DispatchOptions
+    from megatron_fp4.integration.standalone import build_moe_layer
+
+    baseline = build_moe_layer(config, experts="fp8").cuda()
+    fp4_fp8 = build_moe_layer(config, FP4DispatchOptions(grad_format=args.grad), experts="fp8").cuda()
+    baseline.load_state_dict(stock.state_dict())
+    fp4_fp8.load_state_dict(stock.state_dict())
+    layers = {"stock BF16 (BF16 dispatch, Megatron's experts)": stock,
+              "FP8 baseline (BF16 dispatch, our FP8 experts)": baseline,
+              "FP4 dispatch + BF16 experts": fp4,
+              "FP4 dispatch + FP8 experts": fp4_fp8}
+    ceiling = fp8_gemm_ceiling_tflops(args)
+    routed = torch.tensor([float(args.tokens * args.topk)], device="cuda")  # rows the experts see, on average
+    gemm_flops = float(routed) * 18 * args.hidden * args.ffn
+    rows = {}
+    for name, layer in layers.items():
+        ms = slowest_median_ms(layer_step(layer, x, grad), args.iters, args.warmup)
+        rows[name] = (ms, held_for_backward_mib(layer, x, grad), peak_memory_gib(layer_step(layer, x, grad)))
+    log(f"\nFP8 GEMM ceiling (1x128 x 128x128 scaled_mm, 16384 x {args.hidden} x {2 * args.ffn}): {ceiling:.0f} TFLOP/s")
+    log("| MoE layer | forward+backward (ms) | GEMM TFLOP/s (of FP8 ceiling) | held for backward (MiB) | peak (GiB) |")
+    log("| --- | ---: | ---: | ---: | ---: |")
+    for name, (ms, held, peak) in rows.items():
+        tflops = gemm_flops / ms / 1e9
+        log(f"| {name} | {ms:.3f} | {tflops:.0f} ({tflops / ceiling:.0%}) | {held:.1f} | {peak:.2f} |")
+    stock_ms, stock_held = rows["stock BF16 (BF16 dispatch, Megatron's experts)"][:2]
+    base_ms, base_held = rows["FP8 baseline (BF16 dispatch, our FP8 experts)"][:2]
+    ours_ms, ours_held = rows["FP4 dispatch + FP8 experts"][:2]
+    log(f"Bars: FP4+FP8 no slower than the FP8 baseline ({ours_ms:.3f} vs {base_ms:.3f} ms: "
+        f"{'met' if ours_ms <= base_ms else 'MISSED'}); >= 1.3x stock BF16 ({stock_ms / ours_ms:.2f}x: "
+        f"{'met' if stock_ms >= 1.3 * ours_ms else 'MISSED'}); held <= 35% of stock ({ours_held / stock_held:.1%}: "
+        f"{'met' if ours_held <= 0.35 * stock_held else 'MISSED'}) and <= 60% of the FP8 baseline "
+        f"({ours_held / base_held:.1%}: {'met' if ours_held <= 0.6 * base_held else 'MISSED'})")
+
+
 def peak_memory_gib(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -176,6 +249,8 @@ def main(argv=None) -> int:
     log(f"\nBars: bytes 26.6% ({'met' if abs(fp4_bytes / bf16_bytes - 0.265625) < 1e-9 else 'MISSED'}); "
         f"dispatch >= 2x faster ({'met' if bf16_ms >= 2 * fp4_ms else 'MISSED'}); "
         f"layer no slower ({'met' if fp4_layer_ms <= stock_ms else 'MISSED'})")
+    if not args.no_experts_table:
+        compare_experts(args, config, x, grad, stock, fp4, log)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0

@@ -55,7 +55,9 @@ from megatron_fp4.integration import (
     check_fp4_dispatch_supported,
     count_fp4_moe_layers,
     use_fp4_dispatch,
+    use_fp8_experts,
 )
+from megatron_fp4.experts import FP8Experts
 
 
 def _importable(name: str) -> bool:
@@ -116,15 +118,19 @@ def build_specs(args, config, vp_stage=None):
     spec_kwargs = {"use_transformer_engine": use_te, "normalization": args.normalization, "qk_l2_norm": args.qk_l2_norm}
     options = FP4DispatchOptions.from_args(args)  # None unless --moe-fp4-dispatch
 
-    # Dense / MoE layers follow --moe-layer-freq; use_fp4_dispatch swaps every MoELayer for ours.
-    decoder_spec = use_fp4_dispatch(get_gpt_decoder_block_spec(config, vp_stage=vp_stage, **spec_kwargs), options)
+    def ours(spec):
+        # use_fp4_dispatch swaps every MoELayer for ours; use_fp8_experts their experts (--moe-fp4-experts fp8).
+        return use_fp8_experts(use_fp4_dispatch(spec, options), args.moe_fp4_experts)
+
+    # Dense / MoE layers follow --moe-layer-freq.
+    decoder_spec = ours(get_gpt_decoder_block_spec(config, vp_stage=vp_stage, **spec_kwargs))
     mtp_spec = None
     if args.mtp_num_layers:
         # MTP layers copy the decoder's last layer (MoE in DeepSeek-V3), taken from the full
         # layer list because this stage's slice of the decoder may be empty.
         last_layer = get_gpt_decoder_layer_specs(config, **spec_kwargs)[-1]
         mtp_spec = get_gpt_mtp_block_spec(
-            config, use_fp4_dispatch(last_layer, options), use_transformer_engine=use_te, vp_stage=vp_stage
+            config, ours(last_layer), use_transformer_engine=use_te, vp_stage=vp_stage
         )
     return decoder_spec, mtp_spec
 
@@ -155,7 +161,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
-    print_rank_0(f"> MoE layers dispatching in MXFP4 on this stage: {count_fp4_moe_layers(model)}")
+    print_rank_0(f"> MoE layers dispatching in MXFP4 on this stage: {count_fp4_moe_layers(model)}; "
+                 f"with FP8 experts: {sum(isinstance(m, FP8Experts) for m in model.modules())}")
     return model
 
 

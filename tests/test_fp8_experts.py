@@ -43,7 +43,8 @@ def _experts_builder(kind: str):
 
 @pytest.fixture
 def model_parallel():
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     try:
         yield get_default_pg_collection()
@@ -157,7 +158,8 @@ def test_saves_only_fp4_and_frees_it_after_backward(model_parallel, device):
     experts = _build(model_parallel, device)
     payload, probs, grad = _inputs(device)
     x = ref.dequantize_mxfp4(payload).requires_grad_(True)
-    experts.payload_source = lambda: (x, payload)
+    handed_over = {"entry": (x, payload)}
+    experts.payload_source = lambda: handed_over.pop("entry")  # hands the payload over once, keeps nothing
     params = {id(p) for p in experts.parameters()}
     saved = []
 
@@ -177,7 +179,6 @@ def test_saves_only_fp4_and_frees_it_after_backward(model_parallel, device):
     assert expected / (tokens * 2 * (HIDDEN + 3 * FFN)) < 0.27
     out.backward(grad)
     del payload, x
-    experts.payload_source = None
     gc.collect()
     assert all(ref_() is None for dtype, _, ref_ in saved if dtype == torch.uint8), "saved FP4 kept after backward"
 
@@ -249,3 +250,29 @@ def test_refuses_a_payload_for_other_tokens(model_parallel, device):
     experts.payload_source = lambda: (x, payload)
     with pytest.raises(ValueError, match="does not describe"):
         experts(x, torch.tensor([1, 2, 3, 4]), probs)
+
+
+@pytest.mark.gpu  # megatron.core.dist_checkpointing needs CUDA
+def test_distributed_checkpoint_round_trip_with_sequential_mlp(model_parallel, device, tmp_path):
+    """A dist checkpoint saved from FP8Experts loads into Megatron's SequentialMLP, and back."""
+    from megatron.core import dist_checkpointing
+
+    ours = _build(model_parallel, device, "fp8", seed=11)
+    megatron = _build(model_parallel, device, "bf16", seed=12)
+    assert not all(torch.equal(a, b) for a, b in zip(ours.parameters(), megatron.parameters()))
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "bf16").mkdir()
+    dist_checkpointing.save(ours.sharded_state_dict(prefix="experts."), str(tmp_path / "fp8"))
+    megatron.load_state_dict(
+        {k.removeprefix("experts."): v for k, v in
+         dist_checkpointing.load(megatron.sharded_state_dict(prefix="experts."), str(tmp_path / "fp8")).items()})
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), megatron.parameters()))
+
+    with torch.no_grad():
+        for p in megatron.parameters():
+            p.mul_(2)
+    dist_checkpointing.save(megatron.sharded_state_dict(prefix="experts."), str(tmp_path / "bf16"))
+    ours.load_state_dict(
+        {k.removeprefix("experts."): v for k, v in
+         dist_checkpointing.load(ours.sharded_state_dict(prefix="experts."), str(tmp_path / "bf16")).items()})
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), megatron.parameters()))

@@ -10,10 +10,16 @@ fp8 gradients; shared expert with and without overlap.
 --moe-fp4-saved-input (the experts' saved fc1 input kept as MXFP4) gives the same bits as the
 FP4 layer without it, in every layout.
 
-The recompute cache (--moe-fp4-cache), same machinery: a layer checkpointed with
+FP8 experts (--moe-fp4-experts fp8) behind the FP4 dispatch: the forward output within 1% of the
+same experts behind a stock dispatcher fed reference-rounded tokens (their FP8 operands hold the
+same FP4 values, except where a 128-group spans more than 14 binades), gradients within the
+error of saving SwiGLU and fc2 inputs in MXFP4, and within FP8 error of Megatron's BF16 experts.
+
+The recompute cache (--moe-fp4-cache), same machinery (with BF16 and FP8 experts): a layer checkpointed with
 recompute_modules ["moe"], four micro-batches in flight, gives bit-identical outputs and gradients
 with the cache on and off, and with it on the recompute sends no forward dispatch (counted)."""
 
+import functools
 import os
 import tempfile
 
@@ -173,7 +179,53 @@ def _checkpointed_steps(layer, inputs, grads, count_uint8_sends):
     return [o.detach() for o in outs], [x.grad for x in xs], params, sends_in_backward
 
 
-def _check_cache(rank):
+def _relative(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _check_fp8_experts(rank):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_fp4.experts import FP8Experts
+    from megatron_fp4.integration import FP4DispatchOptions
+    from megatron_fp4.integration.standalone import build_moe_layer
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    try:
+        model_parallel_cuda_manual_seed(1234)
+        config = _config(1, 2, False)
+        ours = build_moe_layer(config, FP4DispatchOptions(), experts="fp8").cuda()
+        layers = {"fp8 experts, rounded": build_moe_layer(config, experts="fp8").cuda(),
+                  "bf16 experts, rounded": build_moe_layer(config).cuda()}
+        assert isinstance(ours.experts, FP8Experts) and ours.token_dispatcher.payload_for_experts
+        for layer in layers.values():
+            layer.load_state_dict(ours.state_dict())
+            old = layer.token_dispatcher
+            layer.token_dispatcher = _reference_dispatcher_class("ceil", "bf16")(
+                old.num_local_experts, old.local_expert_indices, config=config, pg_collection=get_default_pg_collection()
+            )
+        x, gy = _inputs(dist.get_rank(), 1)
+        out, dx, grads = _run(ours, x, gy)
+        assert ours.token_dispatcher.expert_input_payload is None, "payload left behind"
+        errors = {}
+        for name, layer in layers.items():
+            out_r, dx_r, grads_r = _run(layer, x, gy)
+            errors[name] = {"output": _relative(out, out_r), "input grad": _relative(dx, dx_r)}
+            errors[name].update({k: _relative(grads[k], g) for k, g in grads_r.items() if "experts" in k})
+        print(f"rank {rank} FP8 experts, relative differences:",
+              {n: {k: f"{v:.1e}" for k, v in e.items()} for n, e in errors.items()})
+        same, bf16 = errors["fp8 experts, rounded"], errors["bf16 experts, rounded"]
+        assert same["output"] < 1e-2, f"rank {rank}: FP8 experts output differs from the same experts on rounded tokens"
+        assert max(same.values()) < 0.3, f"rank {rank}: FP8 experts gradients far from the BF16-saving baseline"
+        assert bf16["output"] < 0.08, f"rank {rank}: FP8 experts output beyond FP8 error of Megatron's experts"
+        assert max(bf16.values()) < 0.3, f"rank {rank}: FP8 experts gradients far from Megatron's experts"
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _check_cache(rank, experts="bf16"):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -192,15 +244,15 @@ def _check_cache(rank):
     try:
         model_parallel_cuda_manual_seed(1234)
         config = _config(1, 2, False, recompute_granularity="selective", recompute_modules=["moe"])
-        uncached = build_moe_layer(config, FP4DispatchOptions(cache=False)).cuda()
-        cached = build_moe_layer(config, FP4DispatchOptions(cache=True)).cuda()
+        uncached = build_moe_layer(config, FP4DispatchOptions(cache=False), experts=experts).cuda()
+        cached = build_moe_layer(config, FP4DispatchOptions(cache=True), experts=experts).cuda()
         cached.load_state_dict(uncached.state_dict())
         assert uncached.moe_layer_recompute and cached.token_dispatcher.recompute_cache is not None
         pairs = [_inputs(10 * dist.get_rank() + m, 1) for m in range(MICRO_BATCHES)]
         inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
         out_u, dx_u, dw_u, sends_u = _checkpointed_steps(uncached, inputs, grads, sends)
         out_c, dx_c, dw_c, sends_c = _checkpointed_steps(cached, inputs, grads, sends)
-        where = f"rank {rank} cache"
+        where = f"rank {rank} cache, {experts} experts"
         assert sends_u == MICRO_BATCHES, f"{where}: the uncached recompute sent {sends_u} dispatches"
         assert sends_c == 0, f"{where}: the cached recompute still sent {sends_c} dispatches"
         assert len(cached.token_dispatcher.recompute_cache) == 0, f"{where}: entries left after backward"
@@ -226,10 +278,11 @@ def _worker(rank, world, init_file, failures):
                 _check_layout(rank, *layout)
             except AssertionError as error:
                 failures.put(str(error))
-        try:
-            _check_cache(rank)
-        except AssertionError as error:
-            failures.put(str(error))
+        for check in (_check_cache, functools.partial(_check_cache, experts="fp8"), _check_fp8_experts):
+            try:
+                check(rank)
+            except AssertionError as error:
+                failures.put(str(error))
     finally:
         dist.destroy_process_group()
 

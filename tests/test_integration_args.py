@@ -78,3 +78,32 @@ def test_saved_input_flag_needs_dispatch_and_no_permute_fusion():
     with pytest.raises(FP4DispatchUnsupported, match="--moe-permute-fusion"):
         _check(_config(moe_fp4_saved_input=True, moe_permute_fusion=True))
     _check(_config(moe_fp4_saved_input=True, moe_permute_fusion=False))
+
+
+def _fp8_experts(**overrides):
+    settings = dict(moe_fp4_experts="fp8", swiglu=True, add_bias_linear=False, moe_ffn_hidden_size=2048)
+    settings.update(overrides)
+    return _config(**settings)
+
+
+def test_fp8_experts_flag_parses_and_works_with_and_without_fp4_dispatch():
+    assert _parse([]).moe_fp4_experts == "bf16"
+    assert _parse(["--moe-fp4-experts", "fp8"]).moe_fp4_experts == "fp8"
+    with pytest.raises(SystemExit):
+        _parse(["--moe-fp4-experts", "fp4"])
+    _check(_fp8_experts())
+    _check(_fp8_experts(moe_fp4_dispatch=False))  # the FP8 baseline: BF16 dispatch, our experts
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"swiglu": False}, "SwiGLU"),
+    ({"add_bias_linear": True}, "disable-bias-linear"),
+    ({"moe_fp4_saved_input": True}, "already keeps its saved input in FP4"),
+    ({"expert_tensor_parallel_size": 2}, "expert tensor parallelism"),
+    ({"moe_permute_fusion": True}, "--moe-permute-fusion"),
+    ({"moe_ffn_hidden_size": 1000}, "--moe-ffn-hidden-size divisible by 128"),
+    ({"num_experts": None, "moe_fp4_dispatch": False}, "MoE model"),
+])
+def test_fp8_experts_refusals(overrides, message):
+    with pytest.raises(FP4DispatchUnsupported, match=message):
+        _check(_fp8_experts(**overrides))

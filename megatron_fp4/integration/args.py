@@ -2,7 +2,8 @@
 sentence that says what and why.
 
 `add_fp4_args` has the signature of Megatron's `extra_args_provider`; YAML configs use the same
-names with underscores (moe_fp4_dispatch, moe_fp4_dispatch_grad, moe_fp4_scale_rule, moe_fp4_cache).
+names with underscores (moe_fp4_dispatch, moe_fp4_dispatch_grad, moe_fp4_scale_rule, moe_fp4_cache,
+moe_fp4_saved_input, moe_fp4_experts).
 """
 
 import argparse
@@ -11,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..dispatch import GRAD_FORMATS
+from .experts_spec import EXPERTS_CHOICES
 from ..formats import FP8_BLOCK, SCALE_RULES
 
 # megatron-core releases whose MoE dispatcher seams (DESIGN §5) this package is written against.
@@ -57,6 +59,16 @@ def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "instead of BF16 (lossless: those values are FP4 values). Needs --moe-fp4-dispatch; not with "
         "--moe-permute-fusion. Experimental: tested on CPU, not yet run on a GPU.",
     )
+    group.add_argument(
+        "--moe-fp4-experts",
+        choices=EXPERTS_CHOICES,
+        default="bf16",
+        help="Routed experts: bf16 (default: Megatron's own, behind the exact FP4 -> BF16 dequantization) or fp8 "
+        "(ours: fc1/fc2 and their gradients as FP8 GEMMs with 1x128 / 128x128 power-of-two scales on SM90, "
+        "fed straight from the MXFP4 payload, SwiGLU and fc2 inputs saved in MXFP4; same parameters and "
+        "checkpoint keys as Megatron's SequentialMLP). Without --moe-fp4-dispatch, fp8 quantizes the BF16 "
+        "dispatch itself (the FP8 baseline). SwiGLU experts without bias, expert tensor parallel size 1.",
+    )
     return parser
 
 
@@ -72,6 +84,7 @@ def check_fp4_dispatch_supported(args, megatron_core_version: Optional[str] = No
                                  cuda_available: Optional[bool] = None) -> None:
     """Raise FP4DispatchUnsupported if `args` (Megatron's parsed arguments, or any object with the
     same attribute names) asks for FP4 dispatch in a configuration it cannot serve."""
+    check_fp8_experts_args(args)
     if not getattr(args, "moe_fp4_dispatch", False):
         if getattr(args, "moe_fp4_cache", False):
             raise FP4DispatchUnsupported("--moe-fp4-cache needs --moe-fp4-dispatch: it caches the FP4 dispatch's payload.")
@@ -124,3 +137,30 @@ def check_fp4_dispatch_supported(args, megatron_core_version: Optional[str] = No
         cuda_available = torch.cuda.is_available()
     if not cuda_available:
         raise FP4DispatchUnsupported("--moe-fp4-dispatch needs CUDA GPUs: its Triton kernels run only there.")
+
+
+def check_fp8_experts_args(args) -> None:
+    """Refusals of --moe-fp4-experts fp8 that show on the command line (the module checks the rest)."""
+    if getattr(args, "moe_fp4_experts", "bf16") != "fp8":
+        return
+    if not getattr(args, "num_experts", None):
+        raise FP4DispatchUnsupported("--moe-fp4-experts fp8 needs an MoE model (--num-experts).")
+    if not getattr(args, "swiglu", False):
+        raise FP4DispatchUnsupported("--moe-fp4-experts fp8 implements SwiGLU experts only: add --swiglu.")
+    if getattr(args, "add_bias_linear", False):
+        raise FP4DispatchUnsupported("--moe-fp4-experts fp8 has no expert biases: add --disable-bias-linear.")
+    if getattr(args, "moe_fp4_saved_input", False):
+        raise FP4DispatchUnsupported("--moe-fp4-saved-input is for Megatron's BF16 experts; --moe-fp4-experts fp8 "
+                                     "already keeps its saved input in FP4.")
+    if (getattr(args, "expert_tensor_parallel_size", None) or 1) > 1:
+        raise FP4DispatchUnsupported("--moe-fp4-experts fp8 does not support expert tensor parallelism: use "
+                                     "--expert-tensor-parallel-size 1.")
+    if getattr(args, "moe_fp4_dispatch", False) and getattr(args, "moe_permute_fusion", False):
+        raise FP4DispatchUnsupported("--moe-fp4-experts fp8 with --moe-fp4-dispatch does not support "
+                                     "--moe-permute-fusion yet: the payload rows are reordered like the experts' "
+                                     "input by the unfused sort.")
+    for name in ("hidden_size", "moe_ffn_hidden_size"):
+        value = getattr(args, name, None)
+        if value is None or value % FP8_BLOCK:
+            raise FP4DispatchUnsupported(f"--moe-fp4-experts fp8 needs --{name.replace('_', '-')} divisible by "
+                                         f"{FP8_BLOCK} (got {value}).")

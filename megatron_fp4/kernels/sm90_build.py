@@ -13,7 +13,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import fp8_dequantize, fp8_quantize, fp8_quantize_cols, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8
+from . import (fp8_dequantize, fp8_quantize, fp8_quantize_cols, fp8_quantize_weight, mxfp4_dequantize, mxfp4_quantize,
+               mxfp4_to_fp8)
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -69,6 +70,12 @@ def kernel_specs(hidden: int = 7168, ceil_rule: bool = True, input_kind: int = 0
                    {"HIDDEN": hidden, "KIND": input_kind, "EXPERTS_POW2": 32, "TOKENS": 128,
                     "BLOCK_PAIRS": fc.block_cols},
                    fc.num_warps, 128 * fc.block_cols * 2),
+        # A weight [2 x 2048, hidden] (fc1's shape), transposed when ceil_rule is off so both variants build.
+        KernelSpec("quantize_fp8_weight", fp8_quantize_weight._quantize_fp8_weight_kernel,
+                   {"w_pairs_ptr": pairs, "out_ptr": "*u8", "scales_ptr": "*fp32"},
+                   {"ROWS": 4096, "COLS": hidden, "SCALE_STRIDE": -(-(hidden // 128) // 4) * 4, "KIND": input_kind,
+                    "TRANSPOSE": not ceil_rule, "BLOCK": 128},
+                   8, 128 * 128),
         KernelSpec("dequantize_fp8", fp8_dequantize._dequantize_fp8_kernel,
                    {"data_pairs_ptr": "*i16", "scales_ptr": "*fp32", "out_pairs_ptr": "*i32", "num_rows": "i32"},
                    {"GROUPS_PER_ROW": groups, "BLOCK_ROWS": g.block_rows, "BLOCK_GROUPS": g.block_cols},
