@@ -276,3 +276,14 @@ def test_distributed_checkpoint_round_trip_with_sequential_mlp(model_parallel, d
         {k.removeprefix("experts."): v for k, v in
          dist_checkpointing.load(ours.sharded_state_dict(prefix="experts."), str(tmp_path / "bf16")).items()})
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), megatron.parameters()))
+
+
+def test_no_grad_forward_saves_nothing_and_gives_the_same_output(model_parallel, device):
+    experts = _build(model_parallel, device)
+    payload, probs, grad = _inputs(device)
+    received = ref.dequantize_mxfp4(payload)
+    with_grad = _run(experts, received, probs, grad, payload)[0]
+    experts.payload_source = lambda: (received, payload)
+    with torch.no_grad():
+        out, _ = experts(received, torch.tensor(COUNTS), probs)
+    assert out.grad_fn is None and torch.equal(out, with_grad)

@@ -77,6 +77,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
             output[first:end] = gemm_by_weight(*rows_segment(fc2_in_rows, first, end),
                                                K.quantize_fp8_weight(fc2_weights[expert]), dtype)
 
+        if not any(ctx.needs_input_grad):
+            return output  # no backward will come (e.g. a checkpointed layer's first pass): save nothing
         if payload_rows is not None:
             saved = (payload_rows, K.quantize_mxfp4(fc1_out, call.scale_rule).rows,
                      K.quantize_mxfp4(fc2_in, call.scale_rule).rows)
