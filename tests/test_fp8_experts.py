@@ -287,3 +287,17 @@ def test_no_grad_forward_saves_nothing_and_gives_the_same_output(model_parallel,
     with torch.no_grad():
         out, _ = experts(received, torch.tensor(COUNTS), probs)
     assert out.grad_fn is None and torch.equal(out, with_grad)
+
+
+def test_rows_segment_pads_m_to_a_multiple_of_4(device):
+    """cuBLASLt refuses M % 4 != 0: segments borrow the next tokens' rows, or zeros at the end."""
+    from megatron_fp4.experts.gemm import rows_segment
+
+    t = ref.quantize_fp8_rows(torch.randn(10, 256, device=device))
+    a, scale_a = rows_segment(t, 2, 5)  # 3 rows -> 4: row 5 borrowed
+    assert a.shape == (4, 256) and scale_a.shape == (4, 2) and scale_a.stride() == (1, 4)
+    assert torch.equal(a.view(torch.uint8), t.data[2:6].view(torch.uint8))
+    a, scale_a = rows_segment(t, 7, 10)  # 3 rows at the end -> one zero row with scale 1
+    assert a.shape == (4, 256) and torch.equal(a[:3].view(torch.uint8), t.data[7:].view(torch.uint8))
+    assert not a[3].view(torch.uint8).any() and (scale_a[3] == 1.0).all()
+    assert torch.equal(scale_a[:3], t.block_scales[:, 7:].t())

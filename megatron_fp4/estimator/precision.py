@@ -13,8 +13,8 @@
     dequantized to BF16 before Megatron's own experts, so the saved activations are those of the
     baseline precision (bf16, or fp8 if `fp8_format` is also set). With `moe_fp4_cache` and `moe`
     recompute it also keeps the received MXFP4 payload for the recompute.
-  When the package gains FP4 expert activations (a flag named in FP4_EXPERTS_FLAGS), "installed"
-  follows the recipe for those tensors.
+  With `moe_fp4_experts: fp8` (our FP8 experts keep those three tensors in MXFP4) "installed"
+  follows the recipe for them.
 """
 
 from dataclasses import dataclass
@@ -24,9 +24,6 @@ FP8_1X128_BYTES = 1 + 4 / 128  # E4M3 element + one fp32 scale per 128 elements 
 FP8_128X128_BYTES = 1 + 4 / (128 * 128)  # weights: one fp32 scale per 128x128 block
 MXFP8_BYTES = 1 + 1 / 32
 
-# Flags (of add_fp4_args) under which the installed package keeps expert activations in MXFP4.
-# None exists yet; when one lands, name it here.
-FP4_EXPERTS_FLAGS = ("moe_fp4_experts",)
 
 BYTES_OF_DTYPE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "torch.float32": 4, "torch.bfloat16": 2,
                   "torch.float16": 2, "torch.uint8": 1}
@@ -71,7 +68,7 @@ def precision_of(args, mode: str = "recipe") -> Precision:
     fp8 = bool(args.fp8)
     recipe = args.fp8_recipe if args.fp8 else "blockwise"
     act, weight = _fp8_bytes(recipe)
-    installed_experts = any(getattr(args, flag, False) for flag in FP4_EXPERTS_FLAGS)
+    installed_experts = getattr(args, "moe_fp4_experts", "bf16") == "fp8"  # FP8Experts save MXFP4
     cache = bool(getattr(args, "moe_fp4_cache", False))
     model_bytes = 4 if not (args.bf16 or args.fp16) else 2
     name = "fp4" if fp4 else ("fp8" if args.fp8 else ("bf16" if model_bytes == 2 else "fp32"))

@@ -67,7 +67,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         fc2_in = tokens.new_empty(num_tokens, ffn)
         for expert, first, end, _, _ in segments.non_empty():
             fc1_out[first:end] = gemm_by_weight(*rows_segment(input_rows, first, end),
-                                                K.quantize_fp8_weight(fc1_weights[expert]), dtype)
+                                                K.quantize_fp8_weight(fc1_weights[expert]), dtype)[: end - first]
             fc2_in[first:end] = swiglu_with_probs(fc1_out[first:end], probs[first:end], call.glu_offset).to(dtype)
         del input_rows
 
@@ -75,7 +75,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         output = tokens.new_empty(num_tokens, hidden)
         for expert, first, end, _, _ in segments.non_empty():
             output[first:end] = gemm_by_weight(*rows_segment(fc2_in_rows, first, end),
-                                               K.quantize_fp8_weight(fc2_weights[expert]), dtype)
+                                               K.quantize_fp8_weight(fc2_weights[expert]), dtype)[: end - first]
 
         if not any(ctx.needs_input_grad):
             return output  # no backward will come (e.g. a checkpointed layer's first pass): save nothing
@@ -119,7 +119,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         grad_fc2: List[Optional[torch.Tensor]] = [None] * num_experts
         for expert, first, end, col, col_end in segments.non_empty():
             grad_fc2_in = gemm_by_weight(*rows_segment(grad_rows, first, end),
-                                         K.quantize_fp8_weight(fc2_weights[expert], transpose=True), dtype)
+                                         K.quantize_fp8_weight(fc2_weights[expert], transpose=True), dtype)[: end - first]
             grad_fc2[expert] = gemm_1x128(*columns_segment(grad_cols, col, col_end),
                                           *columns_segment_as_b(fc2_in_cols, col, col_end), dtype)
             grad_act, grad_p = swiglu_with_probs_backward(fc1_out[first:end], probs[first:end], grad_fc2_in,
@@ -140,7 +140,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
         grad_fc1: List[Optional[torch.Tensor]] = [None] * num_experts
         for expert, first, end, col, col_end in segments.non_empty():
             grad_input[first:end] = gemm_by_weight(*rows_segment(grad_rows, first, end),
-                                                   K.quantize_fp8_weight(fc1_weights[expert], transpose=True), dtype)
+                                                   K.quantize_fp8_weight(fc1_weights[expert], transpose=True),
+                                                   dtype)[: end - first]
             grad_fc1[expert] = gemm_1x128(*columns_segment(grad_cols, col, col_end),
                                           *columns_segment_as_b(input_cols, col, col_end), dtype)
 

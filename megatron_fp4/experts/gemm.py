@@ -17,10 +17,24 @@ from ..formats import FP8_BLOCK
 from ..tensors import FP8BlockTensor, FP8BlockWeight
 
 
+# cuBLASLt refuses block-scaled FP8 GEMMs whose M is not a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED
+# for M = 1, 70, 130; fine for 4, 8, 132: probed on H200, torch 2.11): each column of scale_a must
+# start 16-byte aligned.
+M_MULTIPLE = 4
+
+
 def rows_segment(t: FP8BlockTensor, start: int, end: int):
-    """Rows [start, end) of a rowwise operand as (a, scale_a). The scales are copied so that their
-    leading stride is the segment's row count, as scaled_mm requires."""
-    return t.data[start:end], t.block_scales[:, start:end].contiguous().t()
+    """Rows [start, end) of a rowwise operand as (a, scale_a), M rounded up to a multiple of 4: the
+    extra rows are the following tokens' (or zeros past the last token), and callers keep only the
+    first end - start rows of the product. The scales are copied so that their leading stride is
+    the segment's row count, as scaled_mm requires."""
+    padded_end = start + -(-(end - start) // M_MULTIPLE) * M_MULTIPLE
+    if padded_end <= t.data.shape[0]:
+        return t.data[start:padded_end], t.block_scales[:, start:padded_end].contiguous().t()
+    pad = padded_end - end
+    data = torch.cat([t.data[start:end].view(torch.uint8), t.data.new_zeros(pad, t.data.shape[1]).view(torch.uint8)])
+    scales = F.pad(t.block_scales[:, start:end], (0, pad), value=1.0)
+    return data.view(torch.float8_e4m3fn), scales.contiguous().t()
 
 
 def columns_segment(t: FP8BlockTensor, start: int, end: int):
