@@ -301,3 +301,6 @@ def test_rows_segment_pads_m_to_a_multiple_of_4(device):
     assert a.shape == (4, 256) and torch.equal(a[:3].view(torch.uint8), t.data[7:].view(torch.uint8))
     assert not a[3].view(torch.uint8).any() and (scale_a[3] == 1.0).all()
     assert torch.equal(scale_a[:3], t.block_scales[:, 7:].t())
+    # One scale column (K = 128): strides (1, M) all the same, which scaled_mm checks.
+    a, scale_a = rows_segment(ref.quantize_fp8_rows(torch.randn(10, 128, device=device)), 0, 6)
+    assert scale_a.shape == (8, 1) and scale_a.stride() == (1, 8)

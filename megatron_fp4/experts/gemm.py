@@ -29,12 +29,16 @@ def rows_segment(t: FP8BlockTensor, start: int, end: int):
     first end - start rows of the product. The scales are copied so that their leading stride is
     the segment's row count, as scaled_mm requires."""
     padded_end = start + -(-(end - start) // M_MULTIPLE) * M_MULTIPLE
+    # A fresh [K/128, M] buffer: .contiguous() may keep an odd stride on a size-1 dimension (K = 128),
+    # which scaled_mm rejects.
+    scales = t.block_scales.new_ones(t.block_scales.shape[0], padded_end - start)
     if padded_end <= t.data.shape[0]:
-        return t.data[start:padded_end], t.block_scales[:, start:padded_end].contiguous().t()
-    pad = padded_end - end
-    data = torch.cat([t.data[start:end].view(torch.uint8), t.data.new_zeros(pad, t.data.shape[1]).view(torch.uint8)])
-    scales = F.pad(t.block_scales[:, start:end], (0, pad), value=1.0)
-    return data.view(torch.float8_e4m3fn), scales.contiguous().t()
+        scales.copy_(t.block_scales[:, start:padded_end])
+        return t.data[start:padded_end], scales.t()
+    scales[:, : end - start] = t.block_scales[:, start:end]
+    pad = t.data.new_zeros(padded_end - end, t.data.shape[1]).view(torch.uint8)
+    data = torch.cat([t.data[start:end].view(torch.uint8), pad]).view(torch.float8_e4m3fn)
+    return data, scales.t()
 
 
 def columns_segment(t: FP8BlockTensor, start: int, end: int):
