@@ -78,6 +78,8 @@ def build_cases(tokens: int, hidden: int) -> List[Case]:
     rows_ref = compiled(ref.mxfp4_to_fp8_rows)
     fp8_ref = compiled(ref.quantize_fp8_rows)
     fp8_dequant_ref = compiled(ref.dequantize_fp8)
+    weight_ref = compiled(ref.quantize_fp8_weight)
+    ragged_dev = ragged.cuda()
     # Inductor cannot compile the whole ragged reference with dynamic shapes (its output size
     # depends on the expert count); compile the per-expert step, which does all the element work.
     ref.fp8_columns_of_segment = compiled(_eager_segment)
@@ -107,6 +109,16 @@ def build_cases(tokens: int, hidden: int) -> List[Case]:
              lambda t, h: t * h * 2 + t * h + t * (h // FP8_BLOCK) * 4),
         Case("dequantize_fp8", lambda x: mf.quantize_fp8_rows(x), lambda t8, cfg: mf.dequantize_fp8(t8, **_cfg(cfg)),
              fp8_dequant_ref, lambda t, h: t * h + t * (h // FP8_BLOCK) * 4 + t * h * 2),
+        # Issue 4's experts: the BF16 -> FP8 column quantizer (wgrad gradient operand, ragged experts)
+        # and the 128x128 weight quantizer, plain (fprop) and transposed (dgrad); [T, H] read as a weight.
+        Case("quantize_fp8_cols_ragged", lambda x: x,
+             lambda x, cfg: mf.quantize_fp8_cols(x, ragged_dev, check_counts=False, **_cfg(cfg)),
+             lambda x: ref.quantize_fp8_cols(x, ragged.tolist()),
+             lambda t, h: t * h * 2 + h * capacity + (capacity // FP8_BLOCK) * h * 4),
+        Case("quantize_fp8_weight", lambda x: x, lambda w, cfg: mf.quantize_fp8_weight(w), weight_ref,
+             lambda t, h: t * h * 3 + (t // FP8_BLOCK) * (h // FP8_BLOCK) * 4),
+        Case("quantize_fp8_weight_t", lambda x: x, lambda w, cfg: mf.quantize_fp8_weight(w, transpose=True),
+             lambda w: weight_ref(w, True), lambda t, h: t * h * 3 + (t // FP8_BLOCK) * (h // FP8_BLOCK) * 4),
     ]
 
 
@@ -164,8 +176,8 @@ def sweep(copy_bw: float, only: Optional[List[str]]) -> Dict[str, TileConfig]:
     print(f"\n== tile sweep at {tokens} x {hidden} (% of copy) ==")
     for case in build_cases(tokens, hidden):
         configs = SWEEP.get(case.name) or SWEEP.get(case.name.replace("_ragged", ""))
-        if case.name.endswith("_ragged") or (only and case.name not in only):
-            continue
+        if not configs or case.name.endswith("_ragged") or (only and case.name not in only):
+            continue  # kernels without tile choices (the weight quantizer) are timed as they are
         inputs = rotating_inputs(case, tokens, hidden, gen)
         results = []
         for cfg in configs:
