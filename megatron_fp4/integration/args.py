@@ -57,7 +57,7 @@ def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="Keep the saved fc1 input of Megatron's own experts (SequentialMLP) as the received MXFP4 payload "
         "instead of BF16 (lossless: those values are FP4 values). Needs --moe-fp4-dispatch; not with "
-        "--moe-permute-fusion. Experimental: tested on CPU, not yet run on a GPU.",
+        "--moe-permute-fusion, not with --moe-fp4-experts fp8 (which keeps FP4 itself).",
     )
     group.add_argument(
         "--moe-fp4-experts",
