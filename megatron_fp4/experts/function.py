@@ -64,12 +64,11 @@ class FP8ExpertsFunction(torch.autograd.Function):
         else:
             input_rows = K.quantize_fp8_rows(tokens)
         fc1_out = tokens.new_empty(num_tokens, 2 * ffn)
-        fc2_in = tokens.new_empty(num_tokens, ffn)
         for expert, first, end, _, _ in segments.non_empty():
             fc1_out[first:end] = gemm_by_weight(*rows_segment(input_rows, first, end),
                                                 K.quantize_fp8_weight(fc1_weights[expert]), dtype)[: end - first]
-            fc2_in[first:end] = swiglu_with_probs(fc1_out[first:end], probs[first:end], call.glu_offset).to(dtype)
         del input_rows
+        fc2_in = swiglu_with_probs(fc1_out, probs, call.glu_offset, dtype)  # row-wise: all experts at once
 
         fc2_in_rows = K.quantize_fp8_rows(fc2_in)
         output = tokens.new_empty(num_tokens, hidden)
@@ -114,19 +113,17 @@ class FP8ExpertsFunction(torch.autograd.Function):
             fc1_out = saved_fc1_out
         grad_rows = K.quantize_fp8_rows(grad_output)
         grad_cols = K.quantize_fp8_cols(grad_output, counts, check_counts=False)
-        grad_fc1_out = grad_output.new_empty(segments.num_tokens, 2 * ffn)
-        grad_probs = torch.zeros_like(probs)
+        grad_fc2_in = grad_output.new_empty(segments.num_tokens, ffn)
         grad_fc2: List[Optional[torch.Tensor]] = [None] * num_experts
         for expert, first, end, col, col_end in segments.non_empty():
-            grad_fc2_in = gemm_by_weight(*rows_segment(grad_rows, first, end),
-                                         K.quantize_fp8_weight(fc2_weights[expert], transpose=True), dtype)[: end - first]
+            grad_fc2_in[first:end] = gemm_by_weight(*rows_segment(grad_rows, first, end),
+                                                    K.quantize_fp8_weight(fc2_weights[expert], transpose=True),
+                                                    dtype)[: end - first]
             grad_fc2[expert] = gemm_1x128(*columns_segment(grad_cols, col, col_end),
                                           *columns_segment_as_b(fc2_in_cols, col, col_end), dtype)
-            grad_act, grad_p = swiglu_with_probs_backward(fc1_out[first:end], probs[first:end], grad_fc2_in,
-                                                          call.glu_offset)
-            grad_fc1_out[first:end] = grad_act.to(dtype)
-            grad_probs[first:end] = grad_p.to(probs.dtype)
-        del grad_rows, grad_cols, fc2_in_cols, fc1_out
+        del grad_rows, grad_cols, fc2_in_cols
+        grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
+        del fc1_out, grad_fc2_in
 
         # fc1: dgrad and wgrad.
         if ctx.from_payload:
