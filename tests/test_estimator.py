@@ -117,6 +117,15 @@ def test_precision_modes():
     installed = precision_of(args(moe_fp4_dispatch=True), "installed")
     assert installed.fp4_dispatch and not installed.fp4_experts and not installed.fp4_cache
     assert precision_of(args(moe_fp4_dispatch=True, moe_fp4_cache=True), "installed").fp4_cache
+    # --moe-fp4-saved-input: only the dispatched tokens go to MXFP4 (Megatron's BF16 experts);
+    # --moe-fp4-experts fp8: all three expert activations.
+    saved = precision_of(args(moe_fp4_dispatch=True, moe_fp4_saved_input=True), "installed")
+    assert saved.fp4_expert_input and not saved.fp4_experts
+    assert not precision_of(args(fp8="e4m3", fp8_recipe="blockwise", moe_fp4_dispatch=True,
+                                 moe_fp4_saved_input=True), "installed").fp4_expert_input
+    ours = precision_of(args(moe_fp4_dispatch=True, moe_fp4_experts="fp8"), "installed")
+    assert ours.fp4_expert_input and ours.fp4_experts
+    assert not precision_of(args(moe_fp4_experts="fp8"), "installed").fp4_experts  # needs the FP4 dispatch
     assert MXFP4_BYTES == 0.53125
 
 

@@ -146,7 +146,7 @@ def moe_mlp(c: Ctx) -> dict:
         out["shared_fc2_in"] = c.tokens * fs * (p.gemm_input_bytes if p.fp8 else mb)
     fm = s.moe_ffn_hidden / c.par.etp
     fp4 = p.fp4_experts
-    out["expert_fc1_in"] = rows * h * (MXFP4_BYTES if fp4 else p.gemm_input_bytes)
+    out["expert_fc1_in"] = rows * h * (MXFP4_BYTES if p.fp4_expert_input else p.gemm_input_bytes)
     out["expert_fc1_out"] = rows * s.fc1_factor * fm * (MXFP4_BYTES if fp4 else mb)
     if "moe_act" not in c.rc:
         out["expert_fc2_in"] = rows * fm * (MXFP4_BYTES if fp4 else p.gemm_input_bytes)

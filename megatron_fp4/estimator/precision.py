@@ -14,7 +14,7 @@
     baseline precision (bf16, or fp8 if `fp8_format` is also set). With `moe_fp4_cache` and `moe`
     recompute it also keeps the received MXFP4 payload for the recompute.
   With `moe_fp4_experts: fp8` (our FP8 experts keep those three tensors in MXFP4) "installed"
-  follows the recipe for them.
+  follows the recipe for them; with `moe_fp4_saved_input` (BF16 experts) for the dispatched tokens.
 """
 
 from dataclasses import dataclass
@@ -44,6 +44,7 @@ class Precision:
     fp4_experts: bool  # expert activations (dispatched tokens, SwiGLU input, fc2 input) kept in MXFP4
     fp4_cache: bool  # with `moe` recompute, the received MXFP4 payload is kept for the recompute
     grad_wire: str  # format of the dispatch gradient all-to-all: "bf16" or "fp8"
+    fp4_expert_input: bool = False  # the experts' saved input (dispatched tokens) kept in MXFP4
 
     @property
     def gemm_input_bytes(self) -> float:
@@ -70,6 +71,9 @@ def precision_of(args, mode: str = "recipe") -> Precision:
     act, weight = _fp8_bytes(recipe)
     installed_experts = getattr(args, "moe_fp4_experts", "bf16") == "fp8"  # FP8Experts save MXFP4
     cache = bool(getattr(args, "moe_fp4_cache", False))
+    # --moe-fp4-saved-input swaps the BF16 input slices Megatron's own experts save for the payload;
+    # Transformer Engine's FP8 experts save their own FP8 copy, which it leaves alone.
+    saved_input = bool(getattr(args, "moe_fp4_saved_input", False)) and not fp8
     model_bytes = 4 if not (args.bf16 or args.fp16) else 2
     name = "fp4" if fp4 else ("fp8" if args.fp8 else ("bf16" if model_bytes == 2 else "fp32"))
     return Precision(
@@ -81,5 +85,6 @@ def precision_of(args, mode: str = "recipe") -> Precision:
         fp4_dispatch=fp4,
         fp4_experts=fp4 and (mode == "recipe" or installed_experts),
         fp4_cache=fp4 and (mode == "recipe" or cache),
+        fp4_expert_input=fp4 and (mode == "recipe" or installed_experts or saved_input),
         grad_wire=getattr(args, "moe_fp4_dispatch_grad", "bf16") if fp4 else "bf16",
     )
