@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything this repo checks on GPUs, in one go (a device session is short; about 8 minutes on
+# Everything this repo checks on GPUs, in one go (a device session is short; about 9 minutes on
 # 2 x H200): the GPU-marked tests plus the device-agnostic kernel and FP8-experts tests on CUDA,
 # the kernel benchmark at the bars' size, the MoE layer benchmark (issue 3's table and issue 4's
 # four rows), the recompute-cache benchmark, a per-kernel profile of the FP4 + FP8-experts layer,
@@ -8,7 +8,7 @@
 # e.g. the patch tests, downloads from the registry, which the device machines cannot reach.)
 #
 #   scripts/gpu_checks.sh                  # on a machine with 1+ GPUs
-# Environment: TRAIN_ITERS (100) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
+# Environment: TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
 # MEGATRON_WHEEL_DIR (.whl): megatron-core wheels installed to /tmp/site when not importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,7 @@ step() {  # step NAME command...: run, time, remember the exit status
 step tests python3 -m pytest -q -p no:warnings -rA -s -m gpu tests
 step experts_tests python3 -m pytest -q -p no:warnings -s tests/test_fp8_experts.py tests/test_weight_quantizer.py \
     tests/test_kernels.py
-step bench_kernels python3 scripts/bench_kernels.py --sizes 16384x7168
+step bench_kernels python3 scripts/bench_kernels.py --sizes 16384x7168 --no-baseline
 if ((GPUS >= 2)); then
     EXPERTS=${BENCH_EXPERTS:-$((8 * GPUS))}
     step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_layer.py --experts "$EXPERTS"
@@ -41,7 +41,7 @@ if ((GPUS >= 2)); then
     step profile_fp4_fp8 torchrun --standalone --nproc-per-node "$GPUS" scripts/profile_moe_layer.py \
         --experts "$EXPERTS" --layer fp4-fp8
 fi
-step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-100}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \
+step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-60}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \
     --moe-fp4-experts fp8
 # First and last logged iterations (lm loss), and Megatron's count of NaN iterations over the run.
 grep -E "iteration +[0-9]+/" runs/proxy_fp4/train_node0.log | sed -n '1p;$p'
