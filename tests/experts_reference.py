@@ -34,13 +34,14 @@ def _fp4_round(t: torch.Tensor) -> torch.Tensor:
     return ref.dequantize_mxfp4(ref.quantize_mxfp4(t))
 
 
-def _swiglu(fc1_out, probs):
+def _swiglu(fc1_out, probs, offset):
     gate, linear = fc1_out.to(F64).chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * linear * probs.to(F64).unsqueeze(-1)
+    return torch.nn.functional.silu(gate) * (linear + offset) * probs.to(F64).unsqueeze(-1)
 
 
 def fp8_experts_oracle(tokens: torch.Tensor, payload: Optional[MXFP4Tensor], counts: List[int], probs,
-                       fc1: List[torch.Tensor], fc2: List[torch.Tensor], grad_output) -> ExpertsResult:
+                       fc1: List[torch.Tensor], fc2: List[torch.Tensor], grad_output,
+                       offset: float = 0.0) -> ExpertsResult:
     """Forward and backward of the FP8 experts. With a payload the input operand is its exact FP8
     conversion and the SwiGLU / fc2 inputs are kept in MXFP4; without, all three stay BF16."""
     bf16 = tokens.dtype
@@ -53,7 +54,7 @@ def fp8_experts_oracle(tokens: torch.Tensor, payload: Optional[MXFP4Tensor], cou
     for e, n in enumerate(counts):
         if n:
             fc1_out[starts[e] : starts[e + 1]] = (x[starts[e] : starts[e + 1]] @ _weight(fc1[e]).t()).to(bf16)
-    fc2_in = _swiglu(fc1_out, probs).to(bf16)
+    fc2_in = _swiglu(fc1_out, probs, offset).to(bf16)
     h = _rows(fc2_in)
     output = torch.zeros(len(tokens), tokens.shape[1], dtype=bf16)
     for e, n in enumerate(counts):
@@ -76,7 +77,7 @@ def fp8_experts_oracle(tokens: torch.Tensor, payload: Optional[MXFP4Tensor], cou
         grad_fc2.append((g_cols @ h_cols.t()).to(bf16))
     fc1_out_b = saved_fc1_out.to(F64).requires_grad_(True)
     probs_b = probs.to(F64).requires_grad_(True)
-    _swiglu(fc1_out_b, probs_b).backward(grad_fc2_in.to(F64))
+    _swiglu(fc1_out_b, probs_b, offset).backward(grad_fc2_in.to(F64))
     grad_fc1_out = fc1_out_b.grad.to(bf16)
     g_rows = _rows(grad_fc1_out)
     grad_input = torch.zeros_like(tokens)

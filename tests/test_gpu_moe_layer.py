@@ -10,10 +10,11 @@ fp8 gradients; shared expert with and without overlap.
 --moe-fp4-saved-input (the experts' saved fc1 input kept as MXFP4) gives the same bits as the
 FP4 layer without it, in every layout.
 
-FP8 experts (--moe-fp4-experts fp8) behind the FP4 dispatch: the forward output within 1% of the
-same experts behind a stock dispatcher fed reference-rounded tokens (their FP8 operands hold the
-same FP4 values, except where a 128-group spans more than 14 binades), gradients within the
-error of saving SwiGLU and fc2 inputs in MXFP4, and within FP8 error of Megatron's BF16 experts.
+FP8 experts (--moe-fp4-experts fp8) behind the FP4 dispatch: the forward output bit-identical to
+the same experts behind a stock dispatcher fed reference-rounded tokens (their FP8 operands hold
+the same FP4 values here; a 128-group spanning more than 14 binades could differ), gradients
+within the error of saving SwiGLU and fc2 inputs in MXFP4, and within FP8 error of Megatron's
+BF16 experts.
 
 The recompute cache (--moe-fp4-cache), same machinery (with BF16 and FP8 experts): a layer checkpointed with
 recompute_modules ["moe"], four micro-batches in flight, gives bit-identical outputs and gradients
@@ -217,10 +218,12 @@ def _check_fp8_experts(rank):
         print(f"rank {rank} FP8 experts, relative differences:",
               {n: {k: f"{v:.1e}" for k, v in e.items()} for n, e in errors.items()})
         same, bf16 = errors["fp8 experts, rounded"], errors["bf16 experts, rounded"]
-        assert same["output"] < 1e-2, f"rank {rank}: FP8 experts output differs from the same experts on rounded tokens"
-        assert max(same.values()) < 0.3, f"rank {rank}: FP8 experts gradients far from the BF16-saving baseline"
-        assert bf16["output"] < 0.08, f"rank {rank}: FP8 experts output beyond FP8 error of Megatron's experts"
-        assert max(bf16.values()) < 0.3, f"rank {rank}: FP8 experts gradients far from Megatron's experts"
+        # Measured on 2 x H200 (c350b26): output bit-identical; gradients 13-21% apart (the MXFP4-saved
+        # SwiGLU and fc2 inputs); 3.7% output difference from Megatron's BF16 experts.
+        assert same["output"] == 0.0, f"rank {rank}: FP8 experts output differs from the same experts on rounded tokens"
+        assert max(same.values()) < 0.25, f"rank {rank}: FP8 experts gradients far from the BF16-saving baseline"
+        assert bf16["output"] < 0.06, f"rank {rank}: FP8 experts output beyond FP8 error of Megatron's experts"
+        assert max(bf16.values()) < 0.25, f"rank {rank}: FP8 experts gradients far from Megatron's experts"
     finally:
         parallel_state.destroy_model_parallel()
 

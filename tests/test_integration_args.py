@@ -103,6 +103,11 @@ def test_fp8_experts_flag_parses_and_works_with_and_without_fp4_dispatch():
     ({"moe_permute_fusion": True}, "--moe-permute-fusion"),
     ({"moe_ffn_hidden_size": 1000}, "--moe-ffn-hidden-size divisible by 128"),
     ({"num_experts": None, "moe_fp4_dispatch": False}, "MoE model"),
+    ({"moe_apply_probs_on_input": True}, "--moe-apply-probs-on-input"),
+    ({"delay_wgrad_compute": True}, "--delay-wgrad-compute"),
+    ({"activation_func_clamp_value": 7.0}, "--activation-func-clamp-value"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}, "drop moe_act"),
+    ({"moe_pad_expert_input_to_capacity": True}, "--moe-pad-expert-input-to-capacity"),
 ])
 def test_fp8_experts_refusals(overrides, message):
     with pytest.raises(FP4DispatchUnsupported, match=message):

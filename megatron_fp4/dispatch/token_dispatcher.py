@@ -78,6 +78,11 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return "replay" if torch.is_grad_enabled() else "record"
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        if getattr(self.config, "moe_fp4_experts", "bf16") == "fp8" and not self.layer_names_micro_batches:
+            raise DispatchCacheError(
+                "--moe-fp4-experts fp8 needs the plugin's layer spec (use_fp8_experts, as scripts/pretrain_gpt_fp4.py "
+                "does); a Megatron tree patched with `megatron-fp4 patch` keeps Megatron's experts"
+            )
         if (self.recompute_cache is not None or self.fp4_options.saved_input) and not self.layer_names_micro_batches:
             raise DispatchCacheError(
                 "--moe-fp4-cache and --moe-fp4-saved-input need the plugin's FP4MoELayer (use_fp4_dispatch or "

@@ -32,21 +32,38 @@ class ExpertsCall:
     scale_rule: str  # MXFP4 rule of the saved activations (the dispatch's own rule)
     glu_offset: float
     accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
+    backward_follows: bool = True  # False: a no-grad forward (eval, a checkpointed first pass) saves nothing
 
 
-def weight_gradient(param: torch.Tensor, grad: torch.Tensor, accumulate_in_main_grad: bool) -> Optional[torch.Tensor]:
-    """What backward returns for `param`. With fused accumulation the gradient is added to
-    param.main_grad here, and (as Megatron's linear layers do under DDP) a dummy is returned so that
-    DDP's hook, which sees grad_added_to_main_grad, runs on the main thread and adds nothing."""
-    if not (accumulate_in_main_grad and hasattr(param, "main_grad")):
-        return grad.to(param.dtype)
-    param.main_grad.add_(grad)
+# One dummy weight gradient per shape, dtype, device and fill, shared by all experts and layers
+# (as Transformer Engine does): DDP only looks at it to skip its own accumulation.
+_dummy_grads = {}
+
+
+def _dummy_grad(param: torch.Tensor, dtype, zero: bool) -> torch.Tensor:
+    key = (tuple(param.shape), dtype, param.device, zero)
+    if key not in _dummy_grads:
+        make = torch.zeros if zero else torch.empty
+        _dummy_grads[key] = make(param.shape, dtype=dtype, device=param.device)
+    return _dummy_grads[key]
+
+
+def weight_gradient(param: torch.Tensor, grad: Optional[torch.Tensor], dtype,
+                    accumulate_in_main_grad: bool) -> Optional[torch.Tensor]:
+    """What backward returns for `param` (grad None: the expert had no tokens, a zero gradient).
+    With fused accumulation the gradient is added to param.main_grad here, and (as Megatron's linear
+    layers do under DDP) a shared dummy is returned so that DDP's hook, which sees
+    grad_added_to_main_grad, runs on the main thread and adds nothing."""
+    if not (accumulate_in_main_grad and getattr(param, "main_grad", None) is not None):
+        return torch.zeros_like(param) if grad is None else grad.to(param.dtype)
+    if grad is not None:
+        # The GEMM's BF16 output is added in fp32: one more BF16 rounding per micro-batch than
+        # Megatron's fused fp32 wgrad (its unfused path rounds the same way).
+        param.main_grad.add_(grad)
     if not hasattr(param, "grad_added_to_main_grad"):
         return None
     param.grad_added_to_main_grad = True
-    if getattr(param, "zero_out_wgrad", False):
-        return torch.zeros(param.shape, dtype=grad.dtype, device=grad.device)
-    return torch.empty(param.shape, dtype=grad.dtype, device=grad.device)
+    return _dummy_grad(param, dtype, zero=getattr(param, "zero_out_wgrad", False))
 
 
 class FP8ExpertsFunction(torch.autograd.Function):
@@ -76,8 +93,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
             output[first:end] = gemm_by_weight(*rows_segment(fc2_in_rows, first, end),
                                                K.quantize_fp8_weight(fc2_weights[expert]), dtype)[: end - first]
 
-        if not any(ctx.needs_input_grad):
-            return output  # no backward will come (e.g. a checkpointed layer's first pass): save nothing
+        if not call.backward_follows:
+            return output
         if payload_rows is not None:
             saved = (payload_rows, K.quantize_mxfp4(fc1_out, call.scale_rule).rows,
                      K.quantize_mxfp4(fc2_in, call.scale_rule).rows)
@@ -97,8 +114,16 @@ class FP8ExpertsFunction(torch.autograd.Function):
         saved_input, saved_fc1_out, saved_fc2_in, probs, *weights = ctx.saved_tensors
         num_experts = len(segments.counts)
         fc1_weights, fc2_weights = weights[:num_experts], weights[num_experts:]
-        grad_output = grad_output.contiguous()
         dtype = grad_output.dtype
+
+        def deliver(param, grad):
+            # Into main_grad at once when fused, so that each expert's gradient is freed in the loop.
+            return weight_gradient(param, grad, dtype, call.accumulate_in_main_grad)
+
+        if segments.num_tokens == 0:  # a rank that received no tokens this step
+            grad_input = grad_output.new_zeros(0, hidden)
+            return (None, grad_input, torch.zeros_like(probs), None, *_with_empty_experts([], weights, deliver))
+        grad_output = grad_output.contiguous()
         counts = segments.counts_device
 
         def mxfp4(rows, width):
@@ -119,8 +144,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
             grad_fc2_in[first:end] = gemm_by_weight(*rows_segment(grad_rows, first, end),
                                                     K.quantize_fp8_weight(fc2_weights[expert], transpose=True),
                                                     dtype)[: end - first]
-            grad_fc2[expert] = gemm_1x128(*columns_segment(grad_cols, col, col_end),
-                                          *columns_segment_as_b(fc2_in_cols, col, col_end), dtype)
+            grad_fc2[expert] = deliver(fc2_weights[expert], gemm_1x128(
+                *columns_segment(grad_cols, col, col_end), *columns_segment_as_b(fc2_in_cols, col, col_end), dtype))
         del grad_rows, grad_cols, fc2_in_cols
         grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
         del fc1_out, grad_fc2_in
@@ -139,12 +164,12 @@ class FP8ExpertsFunction(torch.autograd.Function):
             grad_input[first:end] = gemm_by_weight(*rows_segment(grad_rows, first, end),
                                                    K.quantize_fp8_weight(fc1_weights[expert], transpose=True),
                                                    dtype)[: end - first]
-            grad_fc1[expert] = gemm_1x128(*columns_segment(grad_cols, col, col_end),
-                                          *columns_segment_as_b(input_cols, col, col_end), dtype)
+            grad_fc1[expert] = deliver(fc1_weights[expert], gemm_1x128(
+                *columns_segment(grad_cols, col, col_end), *columns_segment_as_b(input_cols, col, col_end), dtype))
+        return (None, grad_input, grad_probs, None, *_with_empty_experts(grad_fc1 + grad_fc2, weights, deliver))
 
-        weight_grads = []
-        for param, grad in zip(weights, grad_fc1 + grad_fc2):
-            if grad is None:  # an expert without tokens this step
-                grad = torch.zeros(param.shape, dtype=dtype, device=param.device)
-            weight_grads.append(weight_gradient(param, grad, call.accumulate_in_main_grad))
-        return (None, grad_input, grad_probs, None, *weight_grads)
+
+def _with_empty_experts(grads: List[Optional[torch.Tensor]], weights, deliver) -> list:
+    """The weight gradients to return: experts that had no tokens (None, or missing) get a zero gradient."""
+    grads = grads or [None] * len(weights)
+    return [deliver(param, None) if grad is None else grad for param, grad in zip(weights, grads)]

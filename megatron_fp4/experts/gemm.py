@@ -53,6 +53,31 @@ def columns_segment_as_b(t: FP8BlockTensor, start: int, end: int):
     return data.t(), scales
 
 
+def _check_contract(a, scale_a, b, scale_b, b_blocks_128x128: bool) -> None:
+    """What scaled_mm (and cuBLASLt behind it) accepts on SM90, checked on every device so that
+    the CPU tests catch a layout the GPU would refuse."""
+    m, k = a.shape
+    n = b.shape[1]
+    problems = []
+    if m % M_MULTIPLE or a.stride(1) != 1:
+        problems.append(f"a must be row-major with M a multiple of {M_MULTIPLE}: shape {tuple(a.shape)} strides {a.stride()}")
+    if tuple(scale_a.shape) != (m, k // FP8_BLOCK) or scale_a.stride() != (1, m):
+        problems.append(f"scale_a must be ({m}, {k // FP8_BLOCK}) with strides (1, {m}): got "
+                        f"{tuple(scale_a.shape)} {scale_a.stride()}")
+    if b.shape[0] != k or b.stride(0) != 1:
+        problems.append(f"b must be [{k}, N] column-major: shape {tuple(b.shape)} strides {b.stride()}")
+    if b_blocks_128x128:
+        rows = -(-(k // FP8_BLOCK) // 4) * 4
+        expected = ((rows, n // FP8_BLOCK), (1, rows))
+    else:
+        expected = ((n, k // FP8_BLOCK), (1, n))
+    if (tuple(scale_b.shape), scale_b.stride()) != expected:
+        problems.append(f"scale_b must be {expected[0]} with strides {expected[1]}: got "
+                        f"{tuple(scale_b.shape)} {scale_b.stride()}")
+    if problems:
+        raise RuntimeError("FP8 expert GEMM operands break scaled_mm's contract: " + "; ".join(problems))
+
+
 def _dequantize_a(a: torch.Tensor, scale_a: torch.Tensor) -> torch.Tensor:
     return a.float() * scale_a.repeat_interleave(FP8_BLOCK, dim=1)
 
@@ -65,16 +90,19 @@ def gemm_by_weight(a: torch.Tensor, scale_a: torch.Tensor, weight: FP8BlockWeigh
                    out_dtype=torch.bfloat16) -> torch.Tensor:
     """a (1x128 blocks) @ weight.data^T (128x128 blocks): [M, K] x [K, N] with weight [N, K]."""
     b, scale_b = weight.scaled_mm_operand()
+    _check_contract(a, scale_a, b, scale_b, b_blocks_128x128=True)
     if a.is_cuda:
         return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise128x128,
                            output_dtype=out_dtype)
-    scales = weight.scales().repeat_interleave(FP8_BLOCK, dim=0).repeat_interleave(FP8_BLOCK, dim=1)
-    return _emulated(a, scale_a, (weight.data.float() * scales).t(), out_dtype)
+    k_blocks = a.shape[1] // FP8_BLOCK  # scale_b is (round_up(K/128, 4), N/128): padding rows unused
+    b_scales = scale_b[:k_blocks].repeat_interleave(FP8_BLOCK, dim=0).repeat_interleave(FP8_BLOCK, dim=1)
+    return _emulated(a, scale_a, b.float() * b_scales, out_dtype)
 
 
 def gemm_1x128(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
                out_dtype=torch.bfloat16) -> torch.Tensor:
     """a @ b with both operands in 1x128 blocks along K (the weight-gradient GEMMs)."""
+    _check_contract(a, scale_a, b, scale_b, b_blocks_128x128=False)
     if a.is_cuda:
         return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise1x128,
                            output_dtype=out_dtype)

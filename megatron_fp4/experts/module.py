@@ -33,7 +33,7 @@ def check_fp8_experts_supported(config) -> None:
         raise ValueError("--moe-fp4-experts fp8 applies the probs after SwiGLU; --moe-apply-probs-on-input is not supported")
     if getattr(config, "delay_wgrad_compute", False):
         raise ValueError("--moe-fp4-experts fp8 computes weight gradients in backward; --delay-wgrad-compute is not supported")
-    for name in ("hidden_size", "moe_ffn_hidden_size"):
+    for name in ("moe_latent_size" if getattr(config, "moe_latent_size", None) else "hidden_size", "moe_ffn_hidden_size"):
         if getattr(config, name) % FP8_BLOCK:
             raise ValueError(f"--moe-fp4-experts fp8 needs {name} divisible by {FP8_BLOCK}, got {getattr(config, name)}")
 
@@ -63,20 +63,32 @@ class FP8Experts(SequentialMLP):
                                "(was dispatch_postprocess bypassed?)")
         return entry[1]
 
+    def _run_weight_holders_pre_hooks(self) -> None:
+        """The linear layers' forward never runs, but hooks on it may guard their weights: Megatron's
+        DDP with --overlap-param-gather waits for a layer's parameter all-gather in a forward
+        pre-hook. Run them as a forward of those layers would, before the weights are read."""
+        for expert in self.local_experts:
+            for holder in (expert.linear_fc1, expert.linear_fc2):
+                for hook in list(holder._forward_pre_hooks.values()):
+                    hook(holder, ())
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs):
         if kwargs:
             raise ValueError(f"FP8Experts does not support the experts' extra arguments {sorted(kwargs)}")
+        self._run_weight_holders_pre_hooks()
         tokens = permuted_local_hidden_states
         payload = self._payload_for(tokens)
         segments = ExpertSegments.of(tokens_per_expert, tokens.device)
         if segments.num_tokens != tokens.shape[0] or len(segments.counts) != self.num_local_experts:
             raise ValueError(f"FP8Experts: tokens_per_expert {segments.counts} does not describe "
                              f"{tokens.shape[0]} tokens over {self.num_local_experts} experts")
-        call = ExpertsCall(segments, payload.scale_rule if payload is not None else self.scale_rule,
-                           float(self.config.glu_linear_offset),
-                           self.accumulate_in_main_grad)
         weights = [expert.linear_fc1.weight for expert in self.local_experts]
         weights += [expert.linear_fc2.weight for expert in self.local_experts]
+        # Decided here: inside the autograd function grad mode is always off.
+        backward_follows = torch.is_grad_enabled() and (
+            tokens.requires_grad or permuted_probs.requires_grad or any(w.requires_grad for w in weights))
+        call = ExpertsCall(segments, payload.scale_rule if payload is not None else self.scale_rule,
+                           float(self.config.glu_linear_offset), self.accumulate_in_main_grad, backward_follows)
         output = FP8ExpertsFunction.apply(call, tokens, permuted_probs,
                                           payload.rows if payload is not None else None, *weights)
         return output, None

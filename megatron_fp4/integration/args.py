@@ -67,7 +67,9 @@ def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(ours: fc1/fc2 and their gradients as FP8 GEMMs with 1x128 / 128x128 power-of-two scales on SM90, "
         "fed straight from the MXFP4 payload, SwiGLU and fc2 inputs saved in MXFP4; same parameters and "
         "checkpoint keys as Megatron's SequentialMLP). Without --moe-fp4-dispatch, fp8 quantizes the BF16 "
-        "dispatch itself (the FP8 baseline). SwiGLU experts without bias, expert tensor parallel size 1.",
+        "dispatch itself (the FP8 baseline). SwiGLU experts without bias, expert tensor parallel size 1, no "
+        "--moe-apply-probs-on-input, --delay-wgrad-compute or moe_act recompute. Through the plugin's layer spec "
+        "(scripts/pretrain_gpt_fp4.py, use_fp8_experts) only: a tree patched with `megatron-fp4 patch` refuses it.",
     )
     return parser
 
@@ -152,6 +154,17 @@ def check_fp8_experts_args(args) -> None:
     if getattr(args, "moe_fp4_saved_input", False):
         raise FP4DispatchUnsupported("--moe-fp4-saved-input is for Megatron's BF16 experts; --moe-fp4-experts fp8 "
                                      "already keeps its saved input in FP4.")
+    for flag, why in (("moe_apply_probs_on_input", "it applies the probs after SwiGLU"),
+                      ("delay_wgrad_compute", "it computes weight gradients in backward"),
+                      ("activation_func_clamp_value", "its SwiGLU has no clamp")):
+        if getattr(args, flag, None):
+            raise FP4DispatchUnsupported(f"--moe-fp4-experts fp8 does not support --{flag.replace('_', '-')}: {why}.")
+    if "moe_act" in (getattr(args, "recompute_modules", None) or []):
+        raise FP4DispatchUnsupported("--moe-fp4-experts fp8 keeps its activations in MXFP4 and does not recompute them: "
+                                     "drop moe_act from --recompute-modules.")
+    if getattr(args, "moe_fp4_dispatch", False) and getattr(args, "moe_pad_expert_input_to_capacity", False):
+        raise FP4DispatchUnsupported("--moe-fp4-experts fp8 with --moe-fp4-dispatch does not support "
+                                     "--moe-pad-expert-input-to-capacity: the payload rows follow the unfused sort.")
     if (getattr(args, "expert_tensor_parallel_size", None) or 1) > 1:
         raise FP4DispatchUnsupported("--moe-fp4-experts fp8 does not support expert tensor parallelism: use "
                                      "--expert-tensor-parallel-size 1.")
