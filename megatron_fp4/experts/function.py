@@ -80,18 +80,10 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
         else:
             input_rows = K.quantize_fp8_rows(tokens)
-        fc1_out = tokens.new_empty(num_tokens, 2 * ffn)
-        for expert, first, end, _, _ in segments.non_empty():
-            fc1_out[first:end] = gemm_by_weight(*rows_segment(input_rows, first, end),
-                                                K.quantize_fp8_weight(fc1_weights[expert]), dtype)[: end - first]
+        fc1_out = _linear_forward(segments, input_rows, fc1_weights, dtype)
         del input_rows
         fc2_in = swiglu_with_probs(fc1_out, probs, call.glu_offset, dtype)  # row-wise: all experts at once
-
-        fc2_in_rows = K.quantize_fp8_rows(fc2_in)
-        output = tokens.new_empty(num_tokens, hidden)
-        for expert, first, end, _, _ in segments.non_empty():
-            output[first:end] = gemm_by_weight(*rows_segment(fc2_in_rows, first, end),
-                                               K.quantize_fp8_weight(fc2_weights[expert]), dtype)[: end - first]
+        output = _linear_forward(segments, K.quantize_fp8_rows(fc2_in), fc2_weights, dtype)
 
         if not call.backward_follows:
             return output
@@ -136,17 +128,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
         else:
             fc2_in_cols = K.quantize_fp8_cols(saved_fc2_in, counts, check_counts=False)
             fc1_out = saved_fc1_out
-        grad_rows = K.quantize_fp8_rows(grad_output)
-        grad_cols = K.quantize_fp8_cols(grad_output, counts, check_counts=False)
-        grad_fc2_in = grad_output.new_empty(segments.num_tokens, ffn)
-        grad_fc2: List[Optional[torch.Tensor]] = [None] * num_experts
-        for expert, first, end, col, col_end in segments.non_empty():
-            grad_fc2_in[first:end] = gemm_by_weight(*rows_segment(grad_rows, first, end),
-                                                    K.quantize_fp8_weight(fc2_weights[expert], transpose=True),
-                                                    dtype)[: end - first]
-            grad_fc2[expert] = deliver(fc2_weights[expert], gemm_1x128(
-                *columns_segment(grad_cols, col, col_end), *columns_segment_as_b(fc2_in_cols, col, col_end), dtype))
-        del grad_rows, grad_cols, fc2_in_cols
+        grad_fc2_in, grad_fc2 = _linear_backward(segments, grad_output, fc2_in_cols, fc2_weights, deliver)
+        del fc2_in_cols
         grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
         del fc1_out, grad_fc2_in
 
@@ -155,18 +138,36 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input, hidden), counts, check_counts=False)
         else:
             input_cols = K.quantize_fp8_cols(saved_input, counts, check_counts=False)
-        grad_rows = K.quantize_fp8_rows(grad_fc1_out)
-        grad_cols = K.quantize_fp8_cols(grad_fc1_out, counts, check_counts=False)
-        del grad_fc1_out
-        grad_input = grad_output.new_empty(segments.num_tokens, hidden)
-        grad_fc1: List[Optional[torch.Tensor]] = [None] * num_experts
-        for expert, first, end, col, col_end in segments.non_empty():
-            grad_input[first:end] = gemm_by_weight(*rows_segment(grad_rows, first, end),
-                                                   K.quantize_fp8_weight(fc1_weights[expert], transpose=True),
-                                                   dtype)[: end - first]
-            grad_fc1[expert] = deliver(fc1_weights[expert], gemm_1x128(
-                *columns_segment(grad_cols, col, col_end), *columns_segment_as_b(input_cols, col, col_end), dtype))
+        grad_input, grad_fc1 = _linear_backward(segments, grad_fc1_out, input_cols, fc1_weights, deliver)
+        del grad_fc1_out, input_cols
         return (None, grad_input, grad_probs, None, *_with_empty_experts(grad_fc1 + grad_fc2, weights, deliver))
+
+
+def _linear_forward(segments: ExpertSegments, rows, weights, dtype) -> torch.Tensor:
+    """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks)."""
+    output = torch.empty(segments.num_tokens, weights[0].shape[0], dtype=dtype, device=rows.data.device)
+    for expert, first, end, _, _ in segments.non_empty():
+        output[first:end] = gemm_by_weight(*rows_segment(rows, first, end), K.quantize_fp8_weight(weights[expert]),
+                                           dtype)[: end - first]
+    return output
+
+
+def _linear_backward(segments: ExpertSegments, grad: torch.Tensor, input_cols, weights, deliver):
+    """Backward of Y = X W_e^T for every expert segment, in FP8: dX (gradient 1x128 rows times W_e
+    in 128x128 blocks, transposed) into one [tokens, in] buffer, and dW_e (gradient and input both
+    1x128 along the segment's tokens), delivered one expert at a time. Experts without tokens get None."""
+    dtype = grad.dtype
+    grad_rows = K.quantize_fp8_rows(grad)
+    grad_cols = K.quantize_fp8_cols(grad, segments.counts_device, check_counts=False)
+    grad_input = grad.new_empty(segments.num_tokens, weights[0].shape[1])
+    grad_weights: List[Optional[torch.Tensor]] = [None] * len(weights)
+    for expert, first, end, col, col_end in segments.non_empty():
+        grad_input[first:end] = gemm_by_weight(*rows_segment(grad_rows, first, end),
+                                               K.quantize_fp8_weight(weights[expert], transpose=True),
+                                               dtype)[: end - first]
+        grad_weights[expert] = deliver(weights[expert], gemm_1x128(
+            *columns_segment(grad_cols, col, col_end), *columns_segment_as_b(input_cols, col, col_end), dtype))
+    return grad_input, grad_weights
 
 
 def _with_empty_experts(grads: List[Optional[torch.Tensor]], weights, deliver) -> list:
