@@ -8,7 +8,9 @@
 # e.g. the patch tests, downloads from the registry, which the device machines cannot reach.)
 #
 #   scripts/gpu_checks.sh                  # on a machine with 1+ GPUs
-# Environment: TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
+# Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_moe_layer
+# bench_moe_cache profile_fp4_fp8 train_proxy; default all) to split the work over two device calls,
+# e.g. CHECKS="bench_moe_cache profile_fp4_fp8 train_proxy" TRAIN_ITERS=200; TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
 # MEGATRON_WHEEL_DIR (.whl): megatron-core wheels installed to /tmp/site when not importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,9 +24,12 @@ GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | grep -c .)
 nvidia-smi topo -m || true
 declare -A STATUS
 
-step() {  # step NAME command...: run, time, remember the exit status
+step() {  # step NAME command...: run, time, remember the exit status (only the names in $CHECKS, if set)
     local name=$1 start=$SECONDS
     shift
+    if [[ -n ${CHECKS:-} && " $CHECKS " != *" $name "* ]]; then
+        return
+    fi
     echo "=== $name: $*"
     "$@"
     STATUS[$name]="exit $? in $((SECONDS - start)) s"
@@ -44,8 +49,11 @@ fi
 step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-60}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \
     --moe-fp4-experts fp8
 # First and last logged iterations (lm loss), and Megatron's count of NaN iterations over the run.
-grep -E "iteration +[0-9]+/" runs/proxy_fp4/train_node0.log | sed -n '1p;$p'
-grep -oE "number of nan iterations: +[0-9]+" runs/proxy_fp4/train_node0.log | awk '{s += $NF} END {print "nan iterations:", s + 0}'
+if [[ -n ${STATUS[train_proxy]:-} ]]; then
+    grep -E "iteration +[0-9]+/" runs/proxy_fp4/train_node0.log | sed -n '1p;$p'
+    grep -oE "number of nan iterations: +[0-9]+" runs/proxy_fp4/train_node0.log |
+        awk '{s += $NF} END {print "nan iterations:", s + 0}'
+fi
 
 echo "=== summary"
 for name in "${!STATUS[@]}"; do echo "$name: ${STATUS[$name]}"; done
