@@ -159,6 +159,16 @@ def padded_segment_offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(padded, 0), (1, 0))
 
 
+def _ragged_layout(num_tokens: int, tokens_per_expert, capacity: Optional[int]):
+    """(counts on the host, capacity of the colwise output, 128-aligned segment offsets) for rows
+    that are the experts' tokens back to back; the counts must sum to num_tokens."""
+    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).cpu()
+    if counts.sum().item() != num_tokens:
+        raise ValueError(f"tokens_per_expert sums to {counts.sum().item()}, the tensor has {num_tokens} tokens")
+    capacity = colwise_capacity(num_tokens, len(counts)) if capacity is None else capacity
+    return counts, capacity, padded_segment_offsets(counts)
+
+
 def fp8_columns_of_segment(codes: torch.Tensor, scale_byte: torch.Tensor):
     """One expert's tokens (codes [n, H], scale bytes [n, H/32], n > 0) -> X^T [H, ceil128(n)] in
     FP8 and its scales [ceil128(n) / 128, H]; tokens past n are zeros with byte 0."""
@@ -187,11 +197,7 @@ def mxfp4_to_fp8_cols(
     byte of its column's MXFP4 block over its tokens. Missing tokens are zeros with byte 0.
     """
     num_tokens, hidden = q.shape
-    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).cpu()
-    if counts.sum().item() != num_tokens:
-        raise ValueError(f"tokens_per_expert sums to {counts.sum().item()}, the tensor has {num_tokens} tokens")
-    capacity = colwise_capacity(num_tokens, len(counts)) if capacity is None else capacity
-    offsets = padded_segment_offsets(counts)
+    counts, capacity, offsets = _ragged_layout(num_tokens, tokens_per_expert, capacity)
     codes = unpack_e2m1_codes(q.data)
     scale_byte = q.scales.long()
 
@@ -245,11 +251,7 @@ def quantize_fp8_cols(
     128-aligned segment offset in a zero-filled [capacity, H], which is then quantized as rows of
     its transpose. Padding blocks are zeros with scale 2^-126."""
     num_tokens, hidden = x.shape
-    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).cpu()
-    if counts.sum().item() != num_tokens:
-        raise ValueError(f"tokens_per_expert sums to {counts.sum().item()}, the tensor has {num_tokens} tokens")
-    capacity = colwise_capacity(num_tokens, len(counts)) if capacity is None else capacity
-    offsets = padded_segment_offsets(counts)
+    counts, capacity, offsets = _ragged_layout(num_tokens, tokens_per_expert, capacity)
     placed = x.new_zeros(capacity, hidden)
     first_row = 0
     for expert, count in enumerate(counts.tolist()):
