@@ -44,7 +44,7 @@ if ((GPUS >= 2)); then
     step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_layer.py --experts "$EXPERTS"
     step bench_moe_cache torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_cache.py --experts "$EXPERTS"
     step profile_fp4_fp8 torchrun --standalone --nproc-per-node "$GPUS" scripts/profile_moe_layer.py \
-        --experts "$EXPERTS" --layer fp4-fp8
+        --experts "$EXPERTS" --layer stock,fp8-baseline,fp4-fp8
 fi
 step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-60}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \
     --moe-fp4-experts fp8
