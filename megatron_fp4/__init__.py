@@ -13,6 +13,7 @@ from .kernels import (
     quantize_fp8_cols,
     quantize_fp8_rows,
     quantize_fp8_weight,
+    quantize_fp8_weights,
     quantize_mxfp4,
 )
 from .tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8BlockWeight, MXFP4Tensor
@@ -30,6 +31,7 @@ __all__ = [
     "quantize_fp8_cols",
     "quantize_fp8_rows",
     "quantize_fp8_weight",
+    "quantize_fp8_weights",
     "quantize_mxfp4",
     "reference",
 ]

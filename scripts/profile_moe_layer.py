@@ -2,13 +2,18 @@
 """Where the MoE layer's forward+backward time goes, per GPU kernel (torch.profiler), for one or
 more of the experts configurations of bench_moe_layer.py. Rank 0 prints, per configuration, the
 wall time per step next to the GPU kernel time summed (a large gap means the CPU cannot keep the GPU
-busy) and the kernels by total GPU time.
+busy) and the kernels by total GPU time; with --host also the host syncs of one step (with the
+Python lines that caused them) and the CPU ops by self CPU time.
 
-    torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer stock,fp4-fp8
+    torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer stock,fp4-fp8 [--host]
 """
 
+import collections
+import os
 import sys
 import time
+import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -19,6 +24,9 @@ LAYERS = {"stock": (False, "bf16"), "fp8-baseline": (False, "fp8"), "fp4-bf16": 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    host = "--host" in argv
+    if host:
+        argv.remove("--host")
     layer_names = ["fp4-fp8"]
     if "--layer" in argv:
         i = argv.index("--layer")
@@ -32,13 +40,13 @@ def main(argv=None) -> int:
 
     rank, world, log = start_expert_parallel(args, f"profiling {', '.join(layer_names)}")
     for name in layer_names:
-        profile_layer(args, name, rank, world, log)
+        profile_layer(args, name, rank, world, log, host)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
 
 
-def profile_layer(args, layer_name: str, rank: int, world: int, log) -> None:
+def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool) -> None:
     from megatron_fp4.dispatch import FP4DispatchOptions
     from megatron_fp4.integration.standalone import build_moe_layer
 
@@ -68,8 +76,46 @@ def profile_layer(args, layer_name: str, rank: int, world: int, log) -> None:
             f"(rank 0, {steps} steps); top kernels:")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:24]:
             log(f"{e.self_device_time_total / steps / 1000:8.3f} ms {e.count // steps:5d}x  {e.key[:110]}")
+    if host:  # every rank runs the step (it communicates); rank 0 prints
+        log_host_side(step, steps, log if rank == 0 else (lambda *_: None))
     del layer, step
     torch.cuda.empty_cache()
+
+
+def log_host_side(step, steps: int, log) -> None:
+    """Where a step waits for the GPU (each synchronizing call, with the Python lines that made it,
+    from torch's sync debug mode) and where its CPU time goes (ops by self CPU time)."""
+    syncs = collections.Counter()
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-3:]
+            syncs[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    torch.cuda.synchronize()
+    log(f"host syncs in one step: {sum(syncs.values())}")
+    for where, count in syncs.most_common():
+        log(f"  {count:3d}x  {where}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    log("CPU ops by self CPU time per step:")
+    for e in events[:25]:
+        log(f"{e.self_cpu_time_total / steps / 1000:8.3f} ms {e.count // steps:5d}x  {e.key[:100]}")
 
 
 if __name__ == "__main__":

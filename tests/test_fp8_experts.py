@@ -124,9 +124,12 @@ def test_matches_the_float64_oracle_of_the_same_quantization(model_parallel, dev
     cpu_payload = ref.quantize_mxfp4(received.cpu()) if from_payload else None
     oracle = fp8_experts_oracle(received.cpu(), cpu_payload, COUNTS, probs.cpu(), *_weights(experts), grad.cpu(),
                                 offset)
-    # Only the accumulation (fp32 vs float64) and BF16 ties of intermediates differ: ~1e-5 on CPU;
-    # on a GPU a BF16 tie can flip a downstream FP8 / MXFP4 rounding, hence the margin.
-    _compare(result, oracle, experts, bound=5e-3)
+    # Only the accumulation order and precision differ (fp32 vs float64 on CPU: ~1e-5). On a GPU the
+    # tensor cores accumulate differently still, and an output one BF16 unit away from the oracle's
+    # can flip a downstream FP8 or MXFP4 rounding (an MXFP4 step is up to a third of the value): the
+    # chained fc1 weight gradient measured 7.8e-3 and 8.4e-3 on H200 from the payload, 2e-3 from BF16.
+    # Either way far below the quantization error itself (0.2, next test).
+    _compare(result, oracle, experts, bound=2e-2 if device.type == "cuda" else 1e-3)
 
 
 def test_error_against_unquantized_math_is_within_fp8_and_fp4_expectations(model_parallel, device):

@@ -49,6 +49,37 @@ def test_quantize_fp8_weight_fresh_random(device, seed):
     assert (error <= w.float().abs() * 2**-4 + scale * 2**-10).all()
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_fp8_weights_in_one_launch(device, dtype, transpose):
+    """Several separate weights (the experts of one linear) read through their address table: each
+    result bit-identical to its own reference, hard cases in one of them."""
+    weights = [random_input(256, 384, dtype, seed=50 + i, device=device) * 2.0**(3 * i - 6) for i in range(3)]
+    weights[1] = hard_input(256, 384, dtype, seed=57, device=device)
+    weights[2][:128, 128:256] = 0.0
+    got = mf.quantize_fp8_weights(weights, transpose=transpose)
+    assert len(got) == 3
+    for w, quantized in zip(weights, got):
+        assert_same_weight(quantized, ref.quantize_fp8_weight(w, transpose=transpose))
+    # The same tensors again (a cached address table), after changing their values in place.
+    for w in weights:
+        w.mul_(-0.5)
+    for w, quantized in zip(weights, mf.quantize_fp8_weights(weights, transpose=transpose)):
+        assert_same_weight(quantized, ref.quantize_fp8_weight(w, transpose=transpose))
+
+
+def test_quantize_fp8_weights_refuses_mixed_weights(device):
+    w = torch.zeros(128, 256, device=device)
+    with pytest.raises(ValueError, match="no weights"):
+        mf.quantize_fp8_weights([])
+    with pytest.raises(ValueError, match="like the first"):
+        mf.quantize_fp8_weights([w, torch.zeros(256, 256, device=device)])
+    with pytest.raises(ValueError, match="like the first"):
+        mf.quantize_fp8_weights([w, w.bfloat16()])
+    with pytest.raises(ValueError, match="like the first"):
+        mf.quantize_fp8_weights([w, torch.zeros(256, 128, device=device).t()])
+
+
 def test_quantize_fp8_weight_refuses_bad_shapes(device):
     with pytest.raises(ValueError, match="multiple of 128"):
         mf.quantize_fp8_weight(torch.zeros(100, 256, device=device))

@@ -2,8 +2,8 @@
 
 Forward, per expert segment: fc1 = X W1^T in FP8 (X from the MXFP4 payload by the exact
 FP4 -> FP8 row conversion, or quantized from BF16 for the FP8 baseline), SwiGLU times the probs,
-fc2 = H W2^T in FP8 from 1x128 rows of H. Weights are quantized to 128x128 blocks per use, never
-kept. Saved for backward: with a payload, the payload itself and MXFP4 copies of the SwiGLU input
+fc2 = H W2^T in FP8 from 1x128 rows of H. Weights are quantized to 128x128 blocks per use (all
+experts of a linear in one launch), never kept. Saved for backward: with a payload, the payload itself and MXFP4 copies of the SwiGLU input
 and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the FP8
 baseline), the same three tensors in BF16.
 
@@ -18,8 +18,8 @@ from typing import List, Optional
 import torch
 
 from .. import kernels as K
-from ..tensors import MXFP4Tensor
-from .gemm import columns_segment, columns_segment_as_b, gemm_1x128, gemm_by_weight, rows_segment
+from ..tensors import FP8BlockWeight, MXFP4Tensor
+from .gemm import M_MULTIPLE, columns_segment, columns_segment_as_b, gemm_1x128, gemm_by_weight, rows_segment
 from .segments import ExpertSegments
 from .swiglu import swiglu_with_probs, swiglu_with_probs_backward
 
@@ -143,13 +143,34 @@ class FP8ExpertsFunction(torch.autograd.Function):
         return (None, grad_input, grad_probs, None, *_with_empty_experts(grad_fc1 + grad_fc2, weights, deliver))
 
 
+def _products_by_weight(segments: ExpertSegments, rows, weights: List[Optional[FP8BlockWeight]], width: int,
+                        dtype) -> torch.Tensor:
+    """[tokens, width]: each expert segment's rows times its weight (128x128 blocks, [N, K]), each GEMM
+    writing straight into the result. A segment's M is padded to a multiple of 4 (rows_segment), so
+    its last product rows spill into the next segment's, which the next expert overwrites (they
+    run in order), or into the spare rows past the end."""
+    buffer = torch.empty(segments.num_tokens + M_MULTIPLE - 1, width, dtype=dtype,
+                         device=rows.data.device)
+    for expert, first, end, _, _ in segments.non_empty():
+        a, scale_a = rows_segment(rows, first, end)
+        gemm_by_weight(a, scale_a, weights[expert], dtype, out=buffer[first : first + a.shape[0]])
+    return buffer[: segments.num_tokens]
+
+
 def _linear_forward(segments: ExpertSegments, rows, weights, dtype) -> torch.Tensor:
     """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks)."""
-    output = torch.empty(segments.num_tokens, weights[0].shape[0], dtype=dtype, device=rows.data.device)
-    for expert, first, end, _, _ in segments.non_empty():
-        output[first:end] = gemm_by_weight(*rows_segment(rows, first, end), K.quantize_fp8_weight(weights[expert]),
-                                           dtype)[: end - first]
-    return output
+    return _products_by_weight(segments, rows, _quantized(segments, weights), weights[0].shape[0], dtype)
+
+
+def _quantized(segments: ExpertSegments, weights, transpose: bool = False) -> List[Optional[FP8BlockWeight]]:
+    """The 128x128 FP8 blocks of the weights of experts with tokens (one launch), None for the others."""
+    busy = [expert for expert, *_ in segments.non_empty()]
+    quantized: List[Optional[FP8BlockWeight]] = [None] * len(weights)
+    if not busy:
+        return quantized
+    for expert, weight in zip(busy, K.quantize_fp8_weights([weights[e] for e in busy], transpose)):
+        quantized[expert] = weight
+    return quantized
 
 
 def _linear_backward(segments: ExpertSegments, grad: torch.Tensor, input_cols, weights, deliver):
@@ -157,14 +178,11 @@ def _linear_backward(segments: ExpertSegments, grad: torch.Tensor, input_cols, w
     in 128x128 blocks, transposed) into one [tokens, in] buffer, and dW_e (gradient and input both
     1x128 along the segment's tokens), delivered one expert at a time. Experts without tokens get None."""
     dtype = grad.dtype
-    grad_rows = K.quantize_fp8_rows(grad)
+    grad_input = _products_by_weight(segments, K.quantize_fp8_rows(grad), _quantized(segments, weights, transpose=True),
+                                     weights[0].shape[1], dtype)
     grad_cols = K.quantize_fp8_cols(grad, segments.counts_device, check_counts=False)
-    grad_input = grad.new_empty(segments.num_tokens, weights[0].shape[1])
     grad_weights: List[Optional[torch.Tensor]] = [None] * len(weights)
-    for expert, first, end, col, col_end in segments.non_empty():
-        grad_input[first:end] = gemm_by_weight(*rows_segment(grad_rows, first, end),
-                                               K.quantize_fp8_weight(weights[expert], transpose=True),
-                                               dtype)[: end - first]
+    for expert, _, _, col, col_end in segments.non_empty():
         grad_weights[expert] = deliver(weights[expert], gemm_1x128(
             *columns_segment(grad_cols, col, col_end), *columns_segment_as_b(input_cols, col, col_end), dtype))
     return grad_input, grad_weights

@@ -10,6 +10,8 @@ b is [K, N] column-major with scales (N, K/128) of strides (1, N) for 1x128, or
 (round_up(K/128, 4), N/128) of strides (1, round_up(K/128, 4)) for 128x128.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -86,17 +88,30 @@ def _emulated(a, scale_a, b_values: torch.Tensor, out_dtype) -> torch.Tensor:
     return (_dequantize_a(a, scale_a) @ b_values).to(out_dtype)
 
 
+def _scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+    if out is None:
+        return F.scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=out_dtype)
+    # F.scaled_mm takes no `out`; the op behind it does (no [M, N] temporary and copy per expert).
+    return torch.ops.aten._scaled_mm_v2.out(a, b, [scale_a], [recipe_a.value], [], [scale_b], [recipe_b.value], [],
+                                            None, out_dtype, [], False, out=out)
+
+
+def _into(out: Optional[torch.Tensor], product: torch.Tensor) -> torch.Tensor:
+    return product if out is None else out.copy_(product)
+
+
 def gemm_by_weight(a: torch.Tensor, scale_a: torch.Tensor, weight: FP8BlockWeight,
-                   out_dtype=torch.bfloat16) -> torch.Tensor:
-    """a (1x128 blocks) @ weight.data^T (128x128 blocks): [M, K] x [K, N] with weight [N, K]."""
+                   out_dtype=torch.bfloat16, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a (1x128 blocks) @ weight.data^T (128x128 blocks): [M, K] x [K, N] with weight [N, K];
+    written into `out` (contiguous [M, N] of out_dtype) when given."""
     b, scale_b = weight.scaled_mm_operand()
     _check_contract(a, scale_a, b, scale_b, b_blocks_128x128=True)
     if a.is_cuda:
-        return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise128x128,
-                           output_dtype=out_dtype)
+        return _scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise128x128,
+                          out_dtype, out)
     k_blocks = a.shape[1] // FP8_BLOCK  # scale_b is (round_up(K/128, 4), N/128): padding rows unused
     b_scales = scale_b[:k_blocks].repeat_interleave(FP8_BLOCK, dim=0).repeat_interleave(FP8_BLOCK, dim=1)
-    return _emulated(a, scale_a, b.float() * b_scales, out_dtype)
+    return _into(out, _emulated(a, scale_a, b.float() * b_scales, out_dtype))
 
 
 def gemm_1x128(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,

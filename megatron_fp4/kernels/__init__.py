@@ -4,7 +4,7 @@ from ._checks import TileConfig
 from .fp8_dequantize import dequantize_fp8
 from .fp8_quantize import quantize_fp8_rows
 from .fp8_quantize_cols import quantize_fp8_cols
-from .fp8_quantize_weight import quantize_fp8_weight
+from .fp8_quantize_weight import quantize_fp8_weight, quantize_fp8_weights
 from .mxfp4_dequantize import dequantize_mxfp4
 from .mxfp4_quantize import quantize_mxfp4
 from .mxfp4_to_fp8 import mxfp4_to_fp8_cols, mxfp4_to_fp8_rows
@@ -18,5 +18,6 @@ __all__ = [
     "quantize_fp8_cols",
     "quantize_fp8_rows",
     "quantize_fp8_weight",
+    "quantize_fp8_weights",
     "quantize_mxfp4",
 ]

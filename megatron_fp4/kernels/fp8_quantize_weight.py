@@ -4,7 +4,15 @@ transposed on the way out (the expert GEMMs' weight operand: W for fprop, W^T fo
 One program per block: the scale rule is the row quantizer's (smallest power of two with
 amax / scale <= 448, never below 2^-126) over all 16384 elements; a block holding NaN / Inf gets a
 NaN scale and NaN data. Weights change every optimizer step, so they are quantized per use.
+
+All the experts' weights of one linear layer go in one launch (a third grid axis): they are
+separate parameters, so the kernel reads each one through a table of their addresses. One launch
+instead of one per expert matters on the host: the experts' forward and backward are short enough
+that Python launch overhead shows.
 """
+
+from collections import OrderedDict
+from typing import List, Sequence
 
 import torch
 import triton
@@ -18,9 +26,9 @@ from ._checks import check_float_matrix, float_kind, pair_view
 
 @triton.jit
 def _quantize_fp8_weight_kernel(
-    w_pairs_ptr,  # [ROWS, COLS / 2] pairs of elements (see _bits.unpack_float_pair)
-    out_ptr,  # uint8 [ROWS, COLS], or [COLS, ROWS] when TRANSPOSE
-    scales_ptr,  # fp32 [row blocks, SCALE_STRIDE] of the output's orientation
+    w_addresses_ptr,  # int64 [E]: where each weight [ROWS, COLS / 2] of element pairs starts (_bits.unpack_float_pair)
+    out_ptr,  # uint8 [E, ROWS, COLS], or [E, COLS, ROWS] when TRANSPOSE
+    scales_ptr,  # fp32 [E, row blocks, SCALE_STRIDE] of the output's orientation
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     SCALE_STRIDE: tl.constexpr,
@@ -30,6 +38,15 @@ def _quantize_fp8_weight_kernel(
 ):
     row_block = tl.program_id(0)
     col_block = tl.program_id(1)
+    weight = tl.program_id(2).to(tl.int64)
+    address = tl.load(w_addresses_ptr + weight)
+    # Parameters are 16-byte aligned (checked on the host): tell the compiler, for vector loads.
+    if KIND == 2:
+        w_pairs_ptr = tl.multiple_of(address.to(tl.pointer_type(tl.int64)), 16)
+    else:
+        w_pairs_ptr = tl.multiple_of(address.to(tl.pointer_type(tl.int32)), 16)
+    out_ptr += weight * (ROWS * COLS)
+    scales_ptr += weight * ((COLS if TRANSPOSE else ROWS) // BLOCK * SCALE_STRIDE)
     row = row_block * BLOCK + tl.arange(0, BLOCK)
     pair = col_block * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
     words = tl.load(w_pairs_ptr + row[:, None].to(tl.int64) * (COLS // 2) + pair[None, :])
@@ -64,24 +81,64 @@ def _quantize_fp8_weight_kernel(
 def quantize_fp8_weight(w: torch.Tensor, transpose: bool = False) -> FP8BlockWeight:
     """w [R, C] (bf16, fp16 or fp32; R and C multiples of 128) -> FP8 128x128 blocks of w, or of
     w^T when transpose; bit-identical to reference.quantize_fp8_weight."""
-    check_float_matrix("quantize_fp8_weight", w, FP8_BLOCK)
-    rows, cols = w.shape
+    return quantize_fp8_weights([w], transpose)[0]
+
+
+def quantize_fp8_weights(weights: Sequence[torch.Tensor], transpose: bool = False) -> List[FP8BlockWeight]:
+    """quantize_fp8_weight of each of several weights of one shape, dtype and device, in one launch.
+    The results are views of one buffer holding them all."""
+    name = "quantize_fp8_weights"
+    if not weights:
+        raise ValueError(f"{name}: no weights given")
+    first = weights[0]
+    check_float_matrix(name, first, FP8_BLOCK)
+    rows, cols = first.shape
     if rows % FP8_BLOCK:
-        raise ValueError(f"quantize_fp8_weight: rows {rows} must be a multiple of {FP8_BLOCK}")
+        raise ValueError(f"{name}: rows {rows} must be a multiple of {FP8_BLOCK}")
+    for w in weights[1:]:
+        if (w.shape, w.dtype, w.device) != (first.shape, first.dtype, first.device) or not w.is_contiguous():
+            raise ValueError(f"{name}: every weight must be contiguous and like the first ({tuple(first.shape)} "
+                             f"{first.dtype} on {first.device}), got {tuple(w.shape)} {w.dtype} on {w.device}")
     out_rows, out_cols = (cols, rows) if transpose else (rows, cols)
-    data = torch.empty(out_rows, out_cols, dtype=torch.float8_e4m3fn, device=w.device)
-    block_scales = torch.ones(out_rows // FP8_BLOCK, padded_scale_columns(out_cols), dtype=torch.float32,
-                              device=w.device)
-    _quantize_fp8_weight_kernel[(rows // FP8_BLOCK, cols // FP8_BLOCK)](
-        pair_view(w),
+    data = torch.empty(len(weights), out_rows, out_cols, dtype=torch.float8_e4m3fn, device=first.device)
+    block_scales = torch.ones(len(weights), out_rows // FP8_BLOCK, padded_scale_columns(out_cols),
+                              dtype=torch.float32, device=first.device)
+    _quantize_fp8_weight_kernel[(rows // FP8_BLOCK, cols // FP8_BLOCK, len(weights))](
+        _address_table([pair_view(w) for w in weights]),
         data.view(torch.uint8),
         block_scales,
         ROWS=rows,
         COLS=cols,
-        SCALE_STRIDE=block_scales.shape[1],
-        KIND=float_kind(w.dtype),
+        SCALE_STRIDE=block_scales.shape[2],
+        KIND=float_kind(first.dtype),
         TRANSPOSE=transpose,
         BLOCK=FP8_BLOCK,
         num_warps=8,
     )
-    return FP8BlockWeight(data, block_scales)
+    return [FP8BlockWeight(d, s) for d, s in zip(data, block_scales)]
+
+
+# Address tables by (device, addresses): a model's parameters do not move, so each layer's table is
+# copied to the device once, and no step waits on a host-to-device copy. Bounded, for callers whose
+# tensors do move.
+_address_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_MAX_ADDRESS_TABLES = 1024
+
+
+def _address_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    addresses = tuple(t.data_ptr() for t in tensors)
+    if any(a % 16 for a in addresses):
+        raise ValueError("quantize_fp8_weights: every weight must start 16-byte aligned")
+    device = tensors[0].device
+    key = (device, addresses)
+    table = _address_tables.get(key)
+    if table is None:
+        table = torch.tensor(addresses, dtype=torch.int64)
+        if device.type == "cuda":
+            table = table.pin_memory().to(device, non_blocking=True)
+        _address_tables[key] = table
+        if len(_address_tables) > _MAX_ADDRESS_TABLES:
+            _address_tables.popitem(last=False)
+    else:
+        _address_tables.move_to_end(key)
+    return table

@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from . import (fp8_dequantize, fp8_quantize, fp8_quantize_cols, fp8_quantize_weight, mxfp4_dequantize, mxfp4_quantize,
                mxfp4_to_fp8)
+from ..experts import swiglu
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -72,10 +73,16 @@ def kernel_specs(hidden: int = 7168, ceil_rule: bool = True, input_kind: int = 0
                    fc.num_warps, 128 * fc.block_cols * 2),
         # A weight [2 x 2048, hidden] (fc1's shape), transposed when ceil_rule is off so both variants build.
         KernelSpec("quantize_fp8_weight", fp8_quantize_weight._quantize_fp8_weight_kernel,
-                   {"w_pairs_ptr": pairs, "out_ptr": "*u8", "scales_ptr": "*fp32"},
+                   {"w_addresses_ptr": "*i64", "out_ptr": "*u8", "scales_ptr": "*fp32"},
                    {"ROWS": 4096, "COLS": hidden, "SCALE_STRIDE": -(-(hidden // 128) // 4) * 4, "KIND": input_kind,
                     "TRANSPOSE": not ceil_rule, "BLOCK": 128},
                    8, 128 * 128),
+        # The experts' SwiGLU backward at FFN 2048 (BF16 gradients, fp32 probs).
+        KernelSpec("swiglu_backward", swiglu._swiglu_backward_kernel,
+                   {"fc1_out_ptr": "*bf16", "probs_ptr": "*fp32", "grad_ptr": "*bf16", "grad_fc1_out_ptr": "*i16",
+                    "grad_probs_ptr": "*fp32", "num_rows": "i32", "offset": "fp32"},
+                   {"FFN": 2048, "BLOCK_ROWS": 4, "BLOCK_FFN": 1024, "GRAD_BF16": True, "PROBS_BF16": False},
+                   4, 4 * 2048),
         KernelSpec("dequantize_fp8", fp8_dequantize._dequantize_fp8_kernel,
                    {"data_pairs_ptr": "*i16", "scales_ptr": "*fp32", "out_pairs_ptr": "*i32", "num_rows": "i32"},
                    {"GROUPS_PER_ROW": groups, "BLOCK_ROWS": g.block_rows, "BLOCK_GROUPS": g.block_cols},
