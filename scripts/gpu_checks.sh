@@ -37,14 +37,14 @@ step() {  # step NAME command...: run, time, remember the exit status (only the 
 
 step tests python3 -m pytest -q -p no:warnings -rA -s -m gpu tests
 step experts_tests python3 -m pytest -q -p no:warnings -s tests/test_fp8_experts.py tests/test_weight_quantizer.py \
-    tests/test_kernels.py
+    tests/test_swiglu.py tests/test_kernels.py
 step bench_kernels python3 scripts/bench_kernels.py --sizes 16384x7168 --no-baseline
 if ((GPUS >= 2)); then
     EXPERTS=${BENCH_EXPERTS:-$((8 * GPUS))}
     step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_layer.py --experts "$EXPERTS"
     step bench_moe_cache torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_cache.py --experts "$EXPERTS"
     step profile_fp4_fp8 torchrun --standalone --nproc-per-node "$GPUS" scripts/profile_moe_layer.py \
-        --experts "$EXPERTS" --layer stock,fp8-baseline,fp4-fp8
+        --experts "$EXPERTS" --layer stock,fp4-fp8 --host
 fi
 step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-60}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \
     --moe-fp4-experts fp8
