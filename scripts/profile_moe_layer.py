@@ -90,7 +90,8 @@ def log_host_side(step, steps: int, log) -> None:
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-3:]
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/torch/" not in f.filename and os.path.basename(f.filename) != "warnings.py"][-3:]
             syncs[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
         else:
             shown(message, category, filename, lineno, file, line)
