@@ -18,7 +18,8 @@ BF16 experts.
 
 The recompute cache (--moe-fp4-cache), same machinery (with BF16 and FP8 experts): a layer checkpointed with
 recompute_modules ["moe"], four micro-batches in flight, gives bit-identical outputs and gradients
-with the cache on and off, and with it on the recompute sends no forward dispatch (counted)."""
+with the cache on and off, and with it on the recompute sends no forward dispatch (counted). The
+same through Megatron's 1F1B pipeline schedule with PP 2 (EP 1) and four micro-batches."""
 
 import functools
 import os
@@ -268,6 +269,95 @@ def _check_cache(rank, experts="bf16"):
         parallel_state.destroy_model_parallel()
 
 
+class _PipelineStage(torch.nn.Module):
+    """One checkpointed MoE layer as a pipeline stage of Megatron's schedule."""
+
+    def __init__(self, layer, config):
+        super().__init__()
+        self.layer, self.config, self.input_tensor = layer, config, None
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor
+
+    def forward(self, x):
+        return self.layer(x if self.input_tensor is None else self.input_tensor)[0]
+
+
+def _pipeline_step(stage, micro_batches):
+    """One step of Megatron's 1F1B schedule over the micro-batches; (losses on the last stage,
+    parameter gradients)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    stage.zero_grad(set_to_none=True)
+
+    def forward_step(data_iterator, model):
+        x, gy = next(data_iterator)
+        out = model(x.clone().requires_grad_(True))  # a checkpoint needs an input with grad
+        def loss_func(output):
+            loss = (output.float() * gy.float()).sum()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[stage],
+        num_microbatches=len(micro_batches), seq_length=TOKENS_PER_RANK // 2, micro_batch_size=2, forward_only=False)
+    return losses, {name: p.grad.clone() for name, p in stage.named_parameters()}
+
+
+def _check_cache_pipeline(rank, experts="bf16"):
+    """PP 2 (EP 1) through Megatron's own 1F1B schedule, four micro-batches: the cache gives the same
+    losses and gradients bit for bit, and the recomputes dispatch nothing (forward dispatches
+    counted at the dispatcher, which sends even with one EP rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_fp4.dispatch.token_dispatcher as token_dispatcher
+    from megatron_fp4.integration import FP4DispatchOptions
+    from megatron_fp4.integration.standalone import build_moe_layer
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, expert_model_parallel_size=1,
+                                             expert_tensor_parallel_size=1)
+    dispatches = []
+    real_dispatch = token_dispatcher.fp4_dispatch_all_to_all
+
+    def counting_dispatch(*args, **kwargs):
+        dispatches.append(torch.is_grad_enabled())
+        return real_dispatch(*args, **kwargs)
+
+    token_dispatcher.fp4_dispatch_all_to_all = counting_dispatch
+    try:
+        model_parallel_cuda_manual_seed(1234)
+        config = _config(1, 1, False, recompute_granularity="selective", recompute_modules=["moe"],
+                         pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16)
+        stages = {}
+        for cache in (False, True):
+            layer = build_moe_layer(config, FP4DispatchOptions(cache=cache), experts=experts).cuda()
+            stages[cache] = _PipelineStage(layer, config)
+        stages[True].load_state_dict(stages[False].state_dict())
+        micro_batches = [_inputs(100 * rank + m, 1) for m in range(MICRO_BATCHES)]
+        results = {}
+        for cache, stage in stages.items():
+            dispatches.clear()
+            results[cache] = _pipeline_step(stage, micro_batches)
+            results[cache] += (len(dispatches), sum(dispatches))
+        where = f"rank {rank} cache under PP 2, {experts} experts"
+        (losses_u, grads_u, sent_u, recomputed_u), (losses_c, grads_c, sent_c, recomputed_c) = results[False], results[True]
+        print(f"{where}: dispatches without cache {sent_u} ({recomputed_u} in recomputes), with it {sent_c} "
+              f"({recomputed_c}); losses {[float(x['loss']) for x in losses_c]}")
+        assert (sent_u, recomputed_u) == (2 * MICRO_BATCHES, MICRO_BATCHES), f"{where}: uncached sent {sent_u}"
+        assert (sent_c, recomputed_c) == (MICRO_BATCHES, 0), f"{where}: cached sent {sent_c}, {recomputed_c} in recomputes"
+        assert len(stages[True].layer.token_dispatcher.recompute_cache) == 0, f"{where}: entries left after the step"
+        assert len(losses_c) == len(losses_u) == (MICRO_BATCHES if rank == 1 else 0), f"{where}: losses {losses_c}"
+        for a, b in zip(losses_c, losses_u):
+            assert torch.equal(a["loss"], b["loss"]), f"{where}: losses differ"
+        for name, g in grads_u.items():
+            assert _same_bits(grads_c[name], g), f"{where}: gradient of {name} differs"
+    finally:
+        token_dispatcher.fp4_dispatch_all_to_all = real_dispatch
+        parallel_state.destroy_model_parallel()
+
+
 def _worker(rank, world, init_file, failures):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.cuda.set_device(rank)
@@ -281,7 +371,8 @@ def _worker(rank, world, init_file, failures):
                 _check_layout(rank, *layout)
             except AssertionError as error:
                 failures.put(str(error))
-        for check in (_check_cache, functools.partial(_check_cache, experts="fp8"), _check_fp8_experts):
+        for check in (_check_cache, functools.partial(_check_cache, experts="fp8"), _check_fp8_experts,
+                      _check_cache_pipeline, functools.partial(_check_cache_pipeline, experts="fp8")):
             try:
                 check(rank)
             except AssertionError as error:
