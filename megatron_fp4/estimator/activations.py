@@ -14,7 +14,7 @@ Each function returns {component: bytes}; `recompute` drops what Megatron recomp
 
 from dataclasses import dataclass
 
-from .precision import MXFP4_BYTES, Precision
+from .precision import FP8_128X128_BYTES, MXFP4_BYTES, Precision
 from .recompute import NONE, Recompute
 from .shapes import DENSE, MOE, ModelShape, Parallel
 
@@ -195,6 +195,10 @@ def backward_working_set(c: Ctx, kind: str) -> float:
     saved = layer(c, kind)
     full = layer(c.with_recompute(NONE), kind)
     largest = max(full.values())
+    extra = 0.0
     if kind == MOE:
         largest = max(largest, expert_rows(c) * c.s.hidden * c.p.model_bytes)
-    return sum(full.values()) - sum(saved.values()) + 2 * largest
+        if c.p.expert_weights_per_use:  # all local experts' fc1 weights in FP8 at once (one launch)
+            local_experts = c.s.experts / c.par.local_experts_divisor
+            extra = local_experts * c.s.fc1_factor * c.s.moe_ffn_hidden * c.s.hidden * FP8_128X128_BYTES
+    return sum(full.values()) - sum(saved.values()) + 2 * largest + extra

@@ -14,7 +14,9 @@
     baseline precision (bf16, or fp8 if `fp8_format` is also set). With `moe_fp4_cache` and `moe`
     recompute it also keeps the received MXFP4 payload for the recompute.
   With `moe_fp4_experts: fp8` (our FP8 experts keep those three tensors in MXFP4) "installed"
-  follows the recipe for them; with `moe_fp4_saved_input` (BF16 experts) for the dispatched tokens.
+  follows the recipe for them, and the routed experts' FP8 weights are transient (quantized per
+  use) instead of two copies cached for the step; with `moe_fp4_saved_input` (BF16 experts) it
+  follows the recipe for the dispatched tokens.
 """
 
 from dataclasses import dataclass
@@ -45,6 +47,9 @@ class Precision:
     fp4_cache: bool  # with `moe` recompute, the received MXFP4 payload is kept for the recompute
     grad_wire: str  # format of the dispatch gradient all-to-all: "bf16" or "fp8"
     fp4_expert_input: bool = False  # the experts' saved input (dispatched tokens) kept in MXFP4
+    # Our FP8 experts (installed, --moe-fp4-experts fp8) quantize the routed experts' weights per
+    # use, one linear's experts at a time, where Transformer Engine keeps two FP8 copies for the step.
+    expert_weights_per_use: bool = False
 
     @property
     def gemm_input_bytes(self) -> float:
@@ -87,4 +92,5 @@ def precision_of(args, mode: str = "recipe") -> Precision:
         fp4_cache=fp4 and (mode == "recipe" or cache),
         fp4_expert_input=fp4 and (mode == "recipe" or installed_experts or saved_input),
         grad_wire=getattr(args, "moe_fp4_dispatch_grad", "bf16") if fp4 else "bf16",
+        expert_weights_per_use=mode == "installed" and installed_experts,
     )

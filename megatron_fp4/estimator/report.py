@@ -39,8 +39,10 @@ def table(estimates: list[Estimate]) -> str:
               "same GPU sends per step (dispatch + combine, forward + backward, recompute included).")]
     if any(e.precision.name == "fp4" for e in estimates):
         notes.append("fp4 memory: 'recipe' = the paper's FP4 recipe (expert activations kept in MXFP4, dispatch cached "
-                     "for `moe` recompute); 'installed' = this package today (MXFP4 on the wire only, experts keep "
-                     "the baseline precision; the dispatch cache only with --moe-fp4-cache).")
+                     "for `moe` recompute); 'installed' = what the config's flags switch on in this package (MXFP4 on "
+                     "the wire; with --moe-fp4-experts fp8 the expert activations in MXFP4 and no cached FP8 "
+                     "copies of the expert weights, else the baseline's; the dispatch cache only with "
+                     "--moe-fp4-cache).")
     overrides = {k: v for e in estimates for k, v in e.overrides.items()}
     if overrides:
         notes.append("overrides: " + ", ".join(f"{k}={v}" for k, v in overrides.items()))

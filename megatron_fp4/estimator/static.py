@@ -3,7 +3,8 @@
 - Weights: the model dtype (bf16: 2 bytes/param). Under FP8 (bf16 primary weights), Transformer
   Engine caches each GEMM weight quantized for the step, once row-wise (forward) and once
   column-wise / transposed (data gradient): 2 more FP8 bytes per GEMM weight. With
-  `fp8_param_gather` the FP8 copies are the primary weights and the bf16 ones are gone.
+  `fp8_param_gather` the FP8 copies are the primary weights and the bf16 ones are gone. Our FP8
+  experts (`moe_fp4_experts: fp8`, installed) keep no copy of the routed experts' weights.
 - Gradients: Megatron's DDP accumulates and reduces main gradients in `main_grads_dtype` (fp32 for
   bf16 training: 4 bytes/param), one contiguous buffer.
 - Optimizer (Adam): an fp32 master copy (`main_params_dtype`) and the two moments (`exp_avg_dtype`,
@@ -49,7 +50,8 @@ def optimizer_bytes_per_param(args) -> float:
 def static_memory(args, counts: ParamCount, p: Precision, dp: int, edp: int, workspace: float = 0.0) -> Static:
     weights = counts.total * p.model_bytes
     if p.fp8:
-        gemm = counts.dense_gemm + counts.expert_gemm
+        # Our FP8 experts keep no FP8 copy of the routed experts' weights (transient, activations.py).
+        gemm = counts.dense_gemm + (0 if p.expert_weights_per_use else counts.expert_gemm)
         copies = 2 * gemm * p.fp8_weight_bytes
         if args.fp8_param_gather:
             weights -= gemm * p.model_bytes  # the FP8 copies are the parameters
