@@ -4,20 +4,21 @@ results are bit-identical to re-sending: the cached rows are the bytes the all-t
 
 import torch
 
+from ..kernels import dequantize_mxfp4
 from ..tensors import MXFP4Tensor
-from .all_to_all import all_to_all_rows, received_tokens, send_gradient_back
+from .all_to_all import all_to_all_rows, send_gradient_back
 
 
 class _ReplayTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, cached_rows, hidden, splits, group, scale_rule, grad_format, dequantize):
+    def forward(ctx, tokens, cached_rows, hidden, splits, group, scale_rule, grad_format):
         ctx.splits, ctx.group, ctx.grad_format, ctx.input_dtype = splits, group, grad_format, tokens.dtype
-        return received_tokens(MXFP4Tensor(cached_rows, hidden, scale_rule), tokens.dtype, dequantize)
+        return dequantize_mxfp4(MXFP4Tensor(cached_rows, hidden, scale_rule)).to(tokens.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         grad = send_gradient_back(grad_output, ctx.splits, ctx.group, ctx.grad_format)
-        return grad.to(ctx.input_dtype), None, None, None, None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None
 
 
 class _ReplayRows(torch.autograd.Function):
@@ -35,12 +36,10 @@ class _ReplayRows(torch.autograd.Function):
 
 
 def replay_tokens(tokens: torch.Tensor, cached: MXFP4Tensor, output_splits, input_splits, group,
-                  grad_format: str, dequantize: bool = True) -> torch.Tensor:
-    """tokens: this pass's permuted tokens (only their gradient path is used). dequantize as in
-    fp4_dispatch_all_to_all."""
+                  grad_format: str) -> torch.Tensor:
+    """tokens: this pass's permuted tokens (only their gradient path is used)."""
     splits = (list(output_splits), list(input_splits))
-    return _ReplayTokens.apply(tokens, cached.rows, cached.hidden, splits, group, cached.scale_rule, grad_format,
-                               dequantize)
+    return _ReplayTokens.apply(tokens, cached.rows, cached.hidden, splits, group, cached.scale_rule, grad_format)
 
 
 def replay_rows(sent: torch.Tensor, cached_received: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:

@@ -5,8 +5,6 @@ wait for the shared experts' stream, synchronize the splits at the parent's own 
 tokens all-to-all, shared-expert fc1, probs all-to-all. The token all-to-all becomes
 `fp4_dispatch_all_to_all`, with the same splits and group; the experts receive BF16 (exact
 dequantization of the MXFP4 payload), so Megatron's SequentialMLP / TEGroupedMLP run unchanged.
-FP8 experts (payload_for_experts) take the payload itself: their BF16 input is then a placeholder
-that only carries the gradient path, and no dequantization runs.
 Routing, probs, the combine and every host sync are the parent's.
 """
 
@@ -106,7 +104,6 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             group=self.ep_group,
             scale_rule=self.fp4_options.scale_rule,
             grad_format=self.fp4_options.grad_format,
-            dequantize=not self.payload_for_experts,  # FP8 experts read the payload, not these values
         )
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
@@ -147,7 +144,7 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         entry = self.recompute_cache.take(self.micro_batch_key, output_splits, input_splits, hidden)
         global_input_tokens = replay_tokens(
             permutated_local_input_tokens, entry.payload, output_splits, input_splits, self.ep_group,
-            self.fp4_options.grad_format, dequantize=not self.payload_for_experts,
+            self.fp4_options.grad_format,
         )
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
