@@ -3,9 +3,9 @@
 Forward, per expert segment: fc1 = X W1^T in FP8 (X from the MXFP4 payload by the exact
 FP4 -> FP8 row conversion, or quantized from BF16 for the FP8 baseline), SwiGLU times the probs,
 fc2 = H W2^T in FP8 from 1x128 rows of H. Weights are quantized to 128x128 blocks per use (all
-experts of a linear in one launch), never kept. Saved for backward: with a payload, the payload itself and MXFP4 copies of the SwiGLU input
-and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the FP8
-baseline), the same three tensors in BF16.
+experts of a linear in one launch), never kept. Saved for backward: with a payload, the payload
+itself and MXFP4 copies of the SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x
+FFN in BF16); without one (the FP8 baseline), the same three tensors in BF16.
 
 Backward: dgrad in FP8 (gradient 1x128 rows, weights transposed 128x128); wgrad in FP8 with both
 operands 1x128 along tokens per expert segment (the column kernels). Weight gradients go to
