@@ -4,11 +4,12 @@
     torchrun --nproc-per-node 2 scripts/bench_moe_cache.py --experts 16
     torchrun --nproc-per-node 4 scripts/bench_moe_cache.py               # 32 experts over EP 4
 
-DeepSeek-V3 layer dimensions by default (as bench_moe_layer.py), FP4 dispatch, BF16 experts. Rows:
-no recompute; recompute_modules ["moe"] with the cache off; with it on. Columns: forward+backward
+DeepSeek-V3 layer dimensions by default (as bench_moe_layer.py), FP4 dispatch, Megatron's BF16
+experts and our FP8 experts (--expert-kinds). Rows per kind: no recompute; recompute_modules
+["moe"] with the cache off; with it on. Columns: forward+backward
 time (slowest rank's median), bytes the layer holds between forward and backward (allocated after
 forward minus before, output included), and the cache's own bytes against the BF16 bytes of the
-dispatched tokens. Also the forward FP4 dispatch alone, the time the cache should save.
+dispatched tokens. Also the forward FP4 dispatch alone, as each kind's layer runs it: the time the cache should save.
 """
 
 import sys
@@ -47,53 +48,83 @@ def max_over_ranks(value: float) -> float:
     return float(t)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv, description=__doc__, experts_table=False)
-    from megatron.core import parallel_state
+def parse(argv):
+    args = parse_args(argv, description=__doc__, experts_table=False, parse=False)
+    args.add_argument("--expert-kinds", default="bf16,fp8",
+                      help="comma-separated experts behind the FP4 dispatch: bf16 (Megatron's SequentialMLP, "
+                           "the replay dequantizes for them) and/or fp8 (ours, read the payload: no dequantization)")
+    args = args.parse_args(argv)
+    args.expert_kinds = args.expert_kinds.split(",")
+    unknown = set(args.expert_kinds) - {"bf16", "fp8"}
+    if unknown:
+        raise SystemExit(f"--expert-kinds: unknown {sorted(unknown)}; choose from bf16, fp8")
+    return args
 
+
+def measure_kind(args, experts: str, x, grad, group):
+    """Rows no recompute / cache off / cache on for one kind of experts, and the forward dispatch
+    alone as that layer runs it (dequantized for BF16 experts, not for FP8 experts)."""
     from megatron_fp4.dispatch import FP4DispatchOptions, fp4_dispatch_all_to_all
     from megatron_fp4.integration.standalone import build_moe_layer
 
-    rank, world, log = start_expert_parallel(args, "FP4 dispatch, BF16 experts")
-
+    world = dist.get_world_size()
     plain = layer_config(args, world)
     checkpointed = layer_config(args, world, recompute_granularity="selective", recompute_modules=["moe"])
+    options = FP4DispatchOptions(grad_format=args.grad)
+    cached = FP4DispatchOptions(grad_format=args.grad, cache=True)
     layers = {
-        "no recompute": build_moe_layer(plain, FP4DispatchOptions(grad_format=args.grad)).cuda(),
-        "recompute moe, cache off": build_moe_layer(checkpointed, FP4DispatchOptions(grad_format=args.grad)).cuda(),
-        "recompute moe, cache on": build_moe_layer(checkpointed, FP4DispatchOptions(grad_format=args.grad, cache=True)).cuda(),
+        "no recompute": build_moe_layer(plain, options, experts=experts).cuda(),
+        "recompute moe, cache off": build_moe_layer(checkpointed, options, experts=experts).cuda(),
+        "recompute moe, cache on": build_moe_layer(checkpointed, cached, experts=experts).cuda(),
     }
     reference = layers["no recompute"].state_dict()
     for layer in layers.values():
         layer.load_state_dict(reference)
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=g).bfloat16()
-    grad = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
-
     tokens, output_splits, input_splits = permuted_tokens_and_splits(layers["no recompute"], x)
-    group = parallel_state.get_expert_model_parallel_group()
-    dispatch_ms = slowest_median_ms(lambda: fp4_dispatch_all_to_all(tokens, output_splits, input_splits, group),
-                                    args.iters, args.warmup)
+    dequantize = experts == "bf16"
+    dispatch_ms = slowest_median_ms(
+        lambda: fp4_dispatch_all_to_all(tokens, output_splits, input_splits, group, dequantize=dequantize),
+        args.iters, args.warmup)
     received_bf16_bytes = max_over_ranks(sum(output_splits) * args.hidden * 2)
-
     rows = {}
     for name, layer in layers.items():
         ms = slowest_median_ms(step(layer, x, grad), args.iters, args.warmup)
         held, cache_bytes = held_bytes(layer, x, grad)
         rows[name] = (ms, max_over_ranks(held), max_over_ranks(cache_bytes))
+    del layers
+    torch.cuda.empty_cache()
+    return rows, dispatch_ms, received_bf16_bytes
 
-    log("\n| MoE layer | forward+backward (ms) | held forward->backward (MiB) | cache (MiB) | cache / BF16 dispatched |")
-    log("| --- | ---: | ---: | ---: | ---: |")
-    for name, (ms, held, cache_bytes) in rows.items():
-        log(f"| {name} | {ms:.3f} | {held / 2**20:.1f} | {cache_bytes / 2**20:.1f} | "
-            f"{cache_bytes / received_bf16_bytes:.1%} |")
-    log(f"\nforward FP4 dispatch alone: {dispatch_ms:.3f} ms; BF16 bytes of the dispatched tokens "
-        f"{received_bf16_bytes / 2**20:.1f} MiB (max over ranks)")
-    saved = rows["recompute moe, cache off"][0] - rows["recompute moe, cache on"][0]
-    ratio = rows["recompute moe, cache on"][2] / received_bf16_bytes
-    log(f"Bars: cache saves {saved:.3f} ms >= 90% of the dispatch {0.9 * dispatch_ms:.3f} ms "
-        f"({'met' if saved >= 0.9 * dispatch_ms else 'MISSED'}); cache {ratio:.1%} <= 27% "
-        f"({'met' if ratio <= 0.27 else 'MISSED'})")
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    from megatron.core import parallel_state
+
+    rank, world, log = start_expert_parallel(args, f"FP4 dispatch, experts {', '.join(args.expert_kinds)}")
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=g).bfloat16()
+    grad = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+    group = parallel_state.get_expert_model_parallel_group()
+
+    log("\n| experts | MoE layer | forward+backward (ms) | held forward->backward (MiB) | cache (MiB) | cache / BF16 dispatched |")
+    log("| --- | --- | ---: | ---: | ---: | ---: |")
+    verdicts = []
+    for experts in args.expert_kinds:
+        rows, dispatch_ms, received_bf16_bytes = measure_kind(args, experts, x, grad, group)
+        for name, (ms, held, cache_bytes) in rows.items():
+            log(f"| {experts} | {name} | {ms:.3f} | {held / 2**20:.1f} | {cache_bytes / 2**20:.1f} | "
+                f"{cache_bytes / received_bf16_bytes:.1%} |")
+        saved = rows["recompute moe, cache off"][0] - rows["recompute moe, cache on"][0]
+        ratio = rows["recompute moe, cache on"][2] / received_bf16_bytes
+        verdicts.append(
+            f"{experts} experts: forward FP4 dispatch alone {dispatch_ms:.3f} ms "
+            f"({'dequantized' if experts == 'bf16' else 'payload only'}); BF16 bytes of the dispatched tokens "
+            f"{received_bf16_bytes / 2**20:.1f} MiB (max over ranks). Bars: cache saves {saved:.3f} ms >= 90% of the "
+            f"dispatch {0.9 * dispatch_ms:.3f} ms ({'met' if saved >= 0.9 * dispatch_ms else 'MISSED'}); "
+            f"cache {ratio:.1%} <= 27% ({'met' if ratio <= 0.27 else 'MISSED'})")
+    log("")
+    for line in verdicts:
+        log(line)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0

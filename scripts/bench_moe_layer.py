@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from run_info import run_description
 
 
-def parse_args(argv, description=__doc__, experts_table=True):
+def parse_args(argv, description=__doc__, experts_table=True, parse=True):
+    """The shared benchmark options; parse=False hands back the parser for a script to extend."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--ffn", type=int, default=2048, help="expert FFN hidden size")
@@ -45,7 +46,7 @@ def parse_args(argv, description=__doc__, experts_table=True):
     p.add_argument("--grad", choices=("bf16", "fp8"), default="bf16", help="FP4 dispatch gradient format")
     if experts_table:
         p.add_argument("--no-experts-table", action="store_true", help="skip issue 4's four-row experts comparison")
-    return p.parse_args(argv)
+    return p.parse_args(argv) if parse else p
 
 
 def slowest_median_ms(fn, iters: int, warmup: int) -> float:

@@ -71,6 +71,15 @@ def _worker(rank: int, world: int, init_file: str, grad_format: str) -> None:
             expected_grad.append(dest_grad[start : start + int(sent[rank, dest])])
         assert tokens.grad.dtype == torch.bfloat16
         assert torch.equal(tokens.grad.view(torch.int16), torch.cat(expected_grad).view(torch.int16))
+
+        # For experts that read the payload: the same payload and gradient path, no dequantization.
+        again = tokens.detach().clone().requires_grad_(True)
+        placeholder, same_payload = fp4_dispatch_all_to_all(again, output_splits, input_splits,
+                                                            grad_format=grad_format, dequantize=False)
+        assert torch.equal(same_payload.rows, q.rows)
+        assert placeholder.shape == received.shape and placeholder.dtype == received.dtype
+        placeholder.backward(_grad(rank, received.shape[0]))
+        assert torch.equal(again.grad.view(torch.int16), tokens.grad.view(torch.int16))
     finally:
         dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """The recompute cache: bookkeeping on fake payloads (keyed per micro-batch, freed when taken, stale /
-missing / mismatched entries refused), and the replay on gloo (2 ranks): the same values and
-gradients as sending again, with no forward all-to-all."""
+missing / mismatched entries refused), and the token replay on gloo (2 ranks): the same values and
+gradients as sending again, with no forward all-to-all. (The probs are not cached: the recompute
+sends its own through Megatron's all-to-all, see FP4AlltoAllTokenDispatcher._replay_dispatch.)"""
 
 import os
 import tempfile
@@ -19,7 +20,7 @@ HIDDEN = 256
 
 def _entry(tokens: int, splits=((3, 2), (4, 1)), hidden: int = HIDDEN):
     rows = torch.randint(0, 255, (tokens, mxfp4_wire_bytes_per_row(hidden)), dtype=torch.uint8)
-    return CachedDispatch(MXFP4Tensor(rows, hidden), torch.rand(tokens, 1), *splits)
+    return CachedDispatch(MXFP4Tensor(rows, hidden), *splits)
 
 
 def test_keyed_per_micro_batch_and_freed_when_taken():
@@ -69,34 +70,16 @@ def test_stale_missing_and_mismatched_entries_are_refused():
 
 def test_cache_holds_under_27_percent_of_the_bf16_tokens():
     tokens, hidden = 64, 7168
-    entry = _entry(tokens, hidden=hidden)  # fp32 probs, one per dispatched token
+    entry = _entry(tokens, hidden=hidden)
     bf16_bytes = tokens * hidden * 2
-    assert entry.nbytes() == tokens * (hidden // 2 + hidden // 32 + 4)
+    assert entry.nbytes() == tokens * (hidden // 2 + hidden // 32)
     assert entry.nbytes() / bf16_bytes < 0.27
-
-
-class _ProbsAllToAll(torch.autograd.Function):
-    """What Megatron's all_to_all does with the probs (its own needs CUDA): rows out, gradient back."""
-
-    @staticmethod
-    def forward(ctx, rows, output_splits, input_splits):
-        from megatron_fp4.dispatch.all_to_all import all_to_all_rows
-
-        ctx.splits = (output_splits, input_splits)
-        return all_to_all_rows(rows, output_splits, input_splits, None)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from megatron_fp4.dispatch.all_to_all import all_to_all_rows
-
-        output_splits, input_splits = ctx.splits
-        return all_to_all_rows(grad.contiguous(), input_splits, output_splits, None), None, None
 
 
 def _worker(rank: int, world: int, init_file: str, grad_format: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     from megatron_fp4.dispatch import fp4_dispatch_all_to_all
-    from megatron_fp4.dispatch.replay import replay_rows, replay_tokens
+    from megatron_fp4.dispatch.replay import replay_tokens
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     calls = []
@@ -112,32 +95,33 @@ def _worker(rank: int, world: int, init_file: str, grad_format: str) -> None:
         input_splits = [[3, 5], [4, 0]][rank]
         output_splits = [[3, 4], [5, 0]][rank]
         tokens = (torch.randn(sum(input_splits), HIDDEN, generator=g) * 8).bfloat16()
-        probs = torch.rand(sum(input_splits), generator=g)
         grad = torch.randn(sum(output_splits), HIDDEN, generator=g).bfloat16()
-        grad_probs = torch.rand(sum(output_splits), generator=g)
 
-        def dispatch(replay_from=None):
-            t, p = tokens.clone().requires_grad_(True), probs.clone().requires_grad_(True)
-            if replay_from is None:
+        def dispatch(cached=None):
+            t = tokens.clone().requires_grad_(True)
+            if cached is None:
                 received, payload = fp4_dispatch_all_to_all(t, output_splits, input_splits, grad_format=grad_format)
-                received_probs = _ProbsAllToAll.apply(p, output_splits, input_splits)
             else:
-                payload, cached_probs = replay_from
+                payload = cached
                 received = replay_tokens(t, payload, output_splits, input_splits, dist.group.WORLD, grad_format)
-                received_probs = replay_rows(p, cached_probs, output_splits, input_splits, dist.group.WORLD)
             forward_calls = len(calls)
-            torch.autograd.backward([received, received_probs], [grad, grad_probs])
-            return received.detach(), payload, received_probs.detach(), t.grad, p.grad, forward_calls
+            received.backward(grad)
+            return received.detach(), payload, t.grad, forward_calls
 
         sent = dispatch()
         calls.clear()
-        replayed = dispatch(replay_from=(sent[1], sent[2]))
-        assert replayed[5] == 0, "the replay sent something forward"
-        assert len(calls) == 2, f"backward should send the two gradients back, sent {len(calls)}"
+        replayed = dispatch(cached=sent[1])
+        assert replayed[3] == 0, "the replay sent something forward"
+        assert len(calls) == 1, f"backward should send the gradient back once, sent {len(calls)}"
         assert torch.equal(replayed[0].view(torch.int16), sent[0].view(torch.int16))
-        assert torch.equal(replayed[2], sent[2])
-        assert torch.equal(replayed[3].view(torch.int16), sent[3].view(torch.int16))
-        assert torch.equal(replayed[4], sent[4])
+        assert torch.equal(replayed[2].view(torch.int16), sent[2].view(torch.int16))
+        # For experts that read the payload: the replay skips the dequantization, same gradient path.
+        t = tokens.clone().requires_grad_(True)
+        placeholder = replay_tokens(t, sent[1], output_splits, input_splits, dist.group.WORLD, grad_format,
+                                    dequantize=False)
+        assert placeholder.shape == sent[0].shape and placeholder.dtype == sent[0].dtype
+        placeholder.backward(grad)
+        assert torch.equal(t.grad.view(torch.int16), sent[2].view(torch.int16))
     finally:
         dist.all_to_all_single = real_all_to_all
         dist.destroy_process_group()

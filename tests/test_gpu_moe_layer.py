@@ -19,13 +19,19 @@ BF16 experts.
 The recompute cache (--moe-fp4-cache), same machinery (with BF16 and FP8 experts): a layer checkpointed with
 recompute_modules ["moe"], four micro-batches in flight, gives bit-identical outputs and gradients
 with the cache on and off, and with it on the recompute sends no forward dispatch (counted). The
+same for a whole transformer layer with recompute_modules ["layernorm", "moe"]. The
 same through Megatron's 1F1B pipeline schedule with PP 2 (EP 1) and four micro-batches: a separate
 test, off by default until it has run to the end on a GPU once (see its skip reason)."""
 
+import contextlib
+import datetime
+import faulthandler
 import functools
 import os
+import sys
 import tempfile
 import time
+import traceback
 
 import pytest
 import torch
@@ -231,14 +237,9 @@ def _check_fp8_experts(rank):
         parallel_state.destroy_model_parallel()
 
 
-def _check_cache(rank, experts="bf16"):
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_fp4.integration import FP4DispatchOptions
-    from megatron_fp4.integration.standalone import build_moe_layer
-
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+@contextlib.contextmanager
+def _counting_all_to_all_sends():
+    """Yields a list that collects the dtype of every all_to_all_single sent meanwhile."""
     sends = []
     real_all_to_all = dist.all_to_all_single
 
@@ -248,26 +249,53 @@ def _check_cache(rank, experts="bf16"):
 
     dist.all_to_all_single = counting_all_to_all
     try:
-        model_parallel_cuda_manual_seed(1234)
-        config = _config(1, 2, False, recompute_granularity="selective", recompute_modules=["moe"])
-        uncached = build_moe_layer(config, FP4DispatchOptions(cache=False), experts=experts).cuda()
-        cached = build_moe_layer(config, FP4DispatchOptions(cache=True), experts=experts).cuda()
-        cached.load_state_dict(uncached.state_dict())
-        assert uncached.moe_layer_recompute and cached.token_dispatcher.recompute_cache is not None
-        pairs = [_inputs(10 * dist.get_rank() + m, 1) for m in range(MICRO_BATCHES)]
-        inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
-        out_u, dx_u, dw_u, sends_u = _checkpointed_steps(uncached, inputs, grads, sends)
-        out_c, dx_c, dw_c, sends_c = _checkpointed_steps(cached, inputs, grads, sends)
-        where = f"rank {rank} cache, {experts} experts"
+        yield sends
+    finally:
+        dist.all_to_all_single = real_all_to_all
+
+
+def _check_cache(rank, experts="bf16", whole_layer=False):
+    """The cache on vs off, four micro-batches in flight through a checkpointed MoE layer
+    (recompute_modules ["moe"]); with whole_layer, a whole TransformerLayer (local spec) with
+    ["layernorm", "moe"], the public recipe's pair: Megatron then frees the pre-MLP layer norm's
+    output (the MoE input) after forward and regrows the same storage for the recompute, so the
+    cache key must survive that. Also: a training-mode forward under no_grad (no recompute coming)
+    caches nothing."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_fp4.integration import FP4DispatchOptions
+    from megatron_fp4.integration.standalone import build_moe_layer, build_transformer_layer
+
+    build = build_transformer_layer if whole_layer else build_moe_layer
+    modules = ["layernorm", "moe"] if whole_layer else ["moe"]
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    try:
+        with _counting_all_to_all_sends() as sends:
+            model_parallel_cuda_manual_seed(1234)
+            config = _config(1, 2, False, recompute_granularity="selective", recompute_modules=modules)
+            uncached = build(config, FP4DispatchOptions(cache=False), experts=experts).cuda()
+            cached = build(config, FP4DispatchOptions(cache=True), experts=experts).cuda()
+            cached.load_state_dict(uncached.state_dict())
+            moe = cached.mlp if whole_layer else cached
+            assert moe.moe_layer_recompute and (cached.recompute_pre_mlp_layernorm if whole_layer else True)
+            cache = moe.token_dispatcher.recompute_cache
+            pairs = [_inputs(10 * dist.get_rank() + m, 1) for m in range(MICRO_BATCHES)]
+            inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+            where = f"rank {rank} cache, recompute {modules}, {experts} experts"
+            with torch.no_grad():
+                cached(inputs[0])
+            assert len(cache) == 0, f"{where}: a no_grad forward cached a dispatch"
+            out_u, dx_u, dw_u, sends_u = _checkpointed_steps(uncached, inputs, grads, sends)
+            out_c, dx_c, dw_c, sends_c = _checkpointed_steps(cached, inputs, grads, sends)
         assert sends_u == MICRO_BATCHES, f"{where}: the uncached recompute sent {sends_u} dispatches"
         assert sends_c == 0, f"{where}: the cached recompute still sent {sends_c} dispatches"
-        assert len(cached.token_dispatcher.recompute_cache) == 0, f"{where}: entries left after backward"
+        assert len(cache) == 0, f"{where}: entries left after backward"
         for a, b in zip(out_c + dx_c, out_u + dx_u):
             assert _same_bits(a, b), f"{where}: outputs or input gradients differ"
         for name, g in dw_u.items():
             assert _same_bits(dw_c[name], g), f"{where}: gradient of {name} differs"
     finally:
-        dist.all_to_all_single = real_all_to_all
         parallel_state.destroy_model_parallel()
 
 
@@ -319,7 +347,7 @@ def _check_cache_pipeline(rank, experts="bf16"):
     from megatron_fp4.integration.standalone import build_moe_layer
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, expert_model_parallel_size=1,
-                                             expert_tensor_parallel_size=1)
+                                             expert_tensor_parallel_size=1, distributed_timeout_minutes=4)
     dispatches = []
     real_dispatch = token_dispatcher.fp4_dispatch_all_to_all
 
@@ -363,38 +391,49 @@ def _check_cache_pipeline(rank, experts="bf16"):
 def _layer_checks():
     checks = [functools.partial(_check_layout, **dict(zip(("tp", "ep", "grad_format", "overlap"), layout)))
               for layout in LAYOUTS]
-    return checks + [_check_cache, functools.partial(_check_cache, experts="fp8"), _check_fp8_experts]
+    caches = [functools.partial(_check_cache, experts=experts, whole_layer=whole)
+              for whole in (False, True) for experts in ("bf16", "fp8")]
+    return checks + [_check_fp8_experts] + caches
 
 
 def _pipeline_checks():
     return [_check_cache_pipeline, functools.partial(_check_cache_pipeline, experts="fp8")]
 
 
-def _worker(rank, world, init_file, failures, make_checks):
+def _worker(rank, world, init_file, failures, make_checks, timeout_s):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    # A rank stuck in communication prints every thread's stack before the parent kills it.
+    faulthandler.dump_traceback_later(max(timeout_s - 15, 5), exit=False)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+                            device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=timeout_s))
     # index_add / scatter_add in Megatron's (un)permute use atomics unless deterministic.
     torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        for check in make_checks():
-            try:
-                check(rank)
-            except AssertionError as error:
-                failures.put(str(error))
-    finally:
-        dist.destroy_process_group()
+    for check in make_checks():
+        name = getattr(check, "func", check).__name__ + str(getattr(check, "keywords", ""))
+        start = time.monotonic()
+        try:
+            check(rank)
+        except AssertionError as error:
+            failures.put(str(error))
+        except BaseException:
+            # Anything else leaves the peer waiting in a collective: report it and leave at once
+            # (destroy_process_group could block on that peer).
+            print(f"rank {rank}: {name} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            os._exit(1)
+        print(f"rank {rank}: {name} done in {time.monotonic() - start:.1f} s", flush=True)
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
 
 
 def _run_on_two_gpus(make_checks, timeout_s: int) -> None:
     """Both ranks run the checks; assertion messages are collected. A rank stuck in communication
-    fails the test after timeout_s instead of blocking the suite."""
+    dumps its stacks and fails the test after timeout_s instead of blocking the suite."""
     for knob in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(knob, "0" if knob == "NCCL_NVLS_ENABLE" else "1")
     failures = mp.get_context("spawn").Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        processes = mp.start_processes(_worker, args=(2, os.path.join(tmp, "init"), failures, make_checks),
+        processes = mp.start_processes(_worker, args=(2, os.path.join(tmp, "init"), failures, make_checks, timeout_s),
                                        nprocs=2, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not processes.join(timeout=5):
@@ -418,4 +457,4 @@ def test_fp4_moe_layer_equals_stock_layer_fed_reference_rounded_tokens_and_cache
                     reason="did not finish on its first GPU run (2026-11-30, ec683af: no output after 100 s, cause not "
                            "found); run with MEGATRON_FP4_PIPELINE_TEST=1 to debug")
 def test_cache_through_megatrons_pipeline_schedule():
-    _run_on_two_gpus(_pipeline_checks, timeout_s=120)
+    _run_on_two_gpus(_pipeline_checks, timeout_s=300)

@@ -31,9 +31,19 @@ def all_to_all_rows(rows: torch.Tensor, output_splits: List[int], input_splits: 
     return received
 
 
+def received_tokens(received: MXFP4Tensor, dtype: torch.dtype, dequantize: bool) -> torch.Tensor:
+    """The received tokens as the experts' BF16 input: the payload dequantized (MXFP4 values are
+    exact in BF16 and FP32, same exponent range), or, for experts that read the payload itself, an
+    uninitialized tensor of that shape: it only carries the gradient path, and skipping the
+    dequantization saves a pass over [rows, hidden] per dispatch."""
+    if dequantize:
+        return dequantize_mxfp4(received).to(dtype)
+    return torch.empty(received.shape, dtype=dtype, device=received.rows.device)
+
+
 class _FP4DispatchAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, output_splits, input_splits, group, scale_rule, grad_format):
+    def forward(ctx, tokens, output_splits, input_splits, group, scale_rule, grad_format, dequantize):
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
         ctx.grad_format = grad_format
@@ -42,13 +52,12 @@ class _FP4DispatchAllToAll(torch.autograd.Function):
         sent = quantize_mxfp4(tokens, scale_rule)
         received = MXFP4Tensor(all_to_all_rows(sent.rows, output_splits, input_splits, group), hidden, scale_rule)
         ctx.mark_non_differentiable(received.rows)
-        # MXFP4 values are exact in BF16 and in FP32 (same exponent range).
-        return dequantize_mxfp4(received).to(tokens.dtype), received.rows
+        return received_tokens(received, tokens.dtype, dequantize), received.rows
 
     @staticmethod
     def backward(ctx, grad_output, _grad_rows):
         grad = send_gradient_back(grad_output, ctx.splits, ctx.group, ctx.grad_format)
-        return grad.to(ctx.input_dtype), None, None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None
 
 
 def send_gradient_back(grad_output: torch.Tensor, splits, group, grad_format: str) -> torch.Tensor:
@@ -70,11 +79,14 @@ def fp4_dispatch_all_to_all(
     group: Optional[dist.ProcessGroup] = None,
     scale_rule: str = "ceil",
     grad_format: str = "bf16",
+    dequantize: bool = True,
 ) -> Tuple[torch.Tensor, MXFP4Tensor]:
     """Send tokens [T, H] (rows grouped by destination rank, input_splits rows each) in MXFP4.
 
     Returns (received tokens in BF16, the received MXFP4 payload). The BF16 tensor carries the
-    gradient path; the payload is what FP4-aware experts and the activation cache keep.
+    gradient path; the payload is what FP4-aware experts and the activation cache keep. With
+    dequantize=False the BF16 tensor's values are left undefined (see received_tokens): only for
+    experts that compute from the payload.
     Wire bytes per token: H/2 + H/32 forward; H * 2 (bf16) or H + H/32 (fp8) backward."""
     check_scale_rule(scale_rule)
     if grad_format not in GRAD_FORMATS:
@@ -89,9 +101,10 @@ def fp4_dispatch_all_to_all(
         raise ValueError(f"the fp8 gradient format needs hidden divisible by 128, got {tokens.shape[1]}")
     group = group if group is not None else dist.group.WORLD
     received, rows = _FP4DispatchAllToAll.apply(
-        tokens, [int(n) for n in output_splits], [int(n) for n in input_splits], group, scale_rule, grad_format
+        tokens, [int(n) for n in output_splits], [int(n) for n in input_splits], group, scale_rule, grad_format,
+        dequantize,
     )
     return received, MXFP4Tensor(rows, tokens.shape[1], scale_rule)
 
 
-__all__ = ["GRAD_FORMATS", "all_to_all_rows", "fp4_dispatch_all_to_all", "send_gradient_back"]
+__all__ = ["GRAD_FORMATS", "all_to_all_rows", "fp4_dispatch_all_to_all", "received_tokens", "send_gradient_back"]

@@ -38,16 +38,16 @@ class MicroBatchKey:
 
 @dataclass
 class CachedDispatch:
-    """What the first pass received: the MXFP4 payload, the routing probs, and the splits they
-    were sent with (the recompute recomputes the splits and must find the same)."""
+    """What the first pass received: the MXFP4 payload and the splits it was sent with (the
+    recompute recomputes the splits and must find the same). Not the routing probs: the recompute
+    sends its own (see FP4AlltoAllTokenDispatcher._replay_dispatch)."""
 
     payload: MXFP4Tensor
-    probs: torch.Tensor
     output_splits: tuple
     input_splits: tuple
 
     def nbytes(self) -> int:
-        return self.payload.rows.numel() * self.payload.rows.element_size() + self.probs.numel() * self.probs.element_size()
+        return self.payload.rows.numel() * self.payload.rows.element_size()
 
 
 class DispatchCache:

@@ -5,6 +5,8 @@ wait for the shared experts' stream, synchronize the splits at the parent's own 
 tokens all-to-all, shared-expert fc1, probs all-to-all. The token all-to-all becomes
 `fp4_dispatch_all_to_all`, with the same splits and group; the experts receive BF16 (exact
 dequantization of the MXFP4 payload), so Megatron's SequentialMLP / TEGroupedMLP run unchanged.
+FP8 experts (payload_for_experts) take the payload itself: their BF16 input is then a placeholder
+that only carries the gradient path, and no dequantization runs.
 Routing, probs, the combine and every host sync are the parent's.
 """
 
@@ -21,7 +23,7 @@ from .all_to_all import fp4_dispatch_all_to_all
 from .cache import CachedDispatch, DispatchCache, DispatchCacheError
 from .options import FP4DispatchOptions
 from ..tensors import MXFP4Tensor
-from .replay import replay_rows, replay_tokens
+from .replay import replay_tokens
 
 
 def _host_splits(splits) -> List[int]:
@@ -104,6 +106,7 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             group=self.ep_group,
             scale_rule=self.fp4_options.scale_rule,
             grad_format=self.fp4_options.grad_format,
+            dequantize=not self.payload_for_experts,  # FP8 experts read the payload, not these values
         )
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
@@ -111,7 +114,7 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self.ep_group, permuted_probs, self.output_splits, self.input_splits, use_nccl_stream=self.use_nccl_stream
         )
         if role == "record":
-            entry = CachedDispatch(payload, global_probs, tuple(output_splits), tuple(input_splits))
+            entry = CachedDispatch(payload, tuple(output_splits), tuple(input_splits))
             self.recompute_cache.store(self.micro_batch_key, entry)
         self._keep_payload_for_experts(payload)
         return global_input_tokens, global_probs
@@ -138,17 +141,23 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return tokens, tokens_per_expert, probs
 
     def _replay_dispatch(self, permutated_local_input_tokens, permuted_probs, output_splits, input_splits):
-        """The recompute pass: what the first pass received, from the cache; no forward all-to-all.
-        The gradients still go back through the reversed all-to-alls in backward."""
+        """The recompute pass: the tokens the first pass received, from the cache; no token
+        all-to-all forward. The gradients still go back through the reversed all-to-alls."""
         hidden = permutated_local_input_tokens.shape[1]
         entry = self.recompute_cache.take(self.micro_batch_key, output_splits, input_splits, hidden)
         global_input_tokens = replay_tokens(
             permutated_local_input_tokens, entry.payload, output_splits, input_splits, self.ep_group,
-            self.fp4_options.grad_format,
+            self.fp4_options.grad_format, dequantize=not self.payload_for_experts,
         )
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
-        global_probs = replay_rows(permuted_probs, entry.probs, output_splits, input_splits, self.ep_group)
+        # The probs are sent again (4 bytes per row), not cached: Megatron's router sorts its top-k
+        # only with grad on (torch.topk(sorted=torch.is_grad_enabled())), so the first pass and
+        # the recompute can sum the top-k in different orders and differ by one BF16 unit; the
+        # recompute's own probs are what an uncached run uses.
+        global_probs = all_to_all(
+            self.ep_group, permuted_probs, self.output_splits, self.input_splits, use_nccl_stream=self.use_nccl_stream
+        )
         self._keep_payload_for_experts(entry.payload)
         return global_input_tokens, global_probs
 
