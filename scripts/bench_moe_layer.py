@@ -66,6 +66,27 @@ def slowest_median_ms(fn, iters: int, warmup: int) -> float:
     return float(median)
 
 
+def interleaved_medians_ms(fns: dict, iters: int, warmup: int) -> dict:
+    """slowest_median_ms for several functions measured in turns (one call of each per round, the
+    order rotating), so that clock and thermal drift over the run hit all of them alike: for
+    differences between rows smaller than the run-to-run spread."""
+    names = list(fns)
+    times = {name: [] for name in names}
+    for i in range(warmup + iters):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times[name].append(start.elapsed_time(end))
+    medians = torch.tensor([statistics.median(times[name]) for name in names], device="cuda")
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(names, medians.tolist()))
+
+
 def moe_config(args, world: int, **extra):
     from megatron.core.transformer import TransformerConfig
 
@@ -147,7 +168,7 @@ def fp8_gemm_ceiling_tflops(args) -> float:
 
 
 def compare_experts(args, config, x, grad, stock, fp4, log) -> None:
-    """Issue 4's four rows, from one run."""
+    """Issue 4's four rows, from one run, timed in turns (interleaved_medians_ms)."""
     from megatron_fp4.dispatch import FP4DispatchOptions
     from megatron_fp4.integration.standalone import build_moe_layer
 
@@ -162,10 +183,11 @@ def compare_experts(args, config, x, grad, stock, fp4, log) -> None:
     ceiling = fp8_gemm_ceiling_tflops(args)
     routed = torch.tensor([float(args.tokens * args.topk)], device="cuda")  # rows the experts see, on average
     gemm_flops = float(routed) * 18 * args.hidden * args.ffn
+    times = interleaved_medians_ms({name: layer_step(layer, x, grad) for name, layer in layers.items()},
+                                   args.iters, args.warmup)
     rows = {}
     for name, layer in layers.items():
-        ms = slowest_median_ms(layer_step(layer, x, grad), args.iters, args.warmup)
-        rows[name] = (ms, held_for_backward_mib(layer, x, grad), peak_memory_gib(layer_step(layer, x, grad)))
+        rows[name] = (times[name], held_for_backward_mib(layer, x, grad), peak_memory_gib(layer_step(layer, x, grad)))
     log(f"\nFP8 GEMM ceiling (1x128 x 128x128 scaled_mm, 16384 x {args.hidden} x {2 * args.ffn}): {ceiling:.0f} TFLOP/s")
     log("| MoE layer | forward+backward (ms) | GEMM TFLOP/s (of FP8 ceiling) | held for backward (MiB) | peak (GiB) |")
     log("| --- | ---: | ---: | ---: | ---: |")

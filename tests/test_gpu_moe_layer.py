@@ -254,6 +254,30 @@ def _counting_all_to_all_sends():
         dist.all_to_all_single = real_all_to_all
 
 
+@contextlib.contextmanager
+def _layernorm_recompute_without_transformer_engine():
+    """megatron-core 0.19.2's CheckpointWithoutOutput (the `layernorm` recompute) sets
+    `self.fp8 = fp8 is not None`, True even for its default fp8=False, and then asks Transformer
+    Engine's FP8GlobalStateManager: a NameError where TE is not installed (the device image). Without
+    TE nothing can be FP8 there, so the flag is turned off for the test; with TE nothing changes."""
+    from megatron.core.tensor_parallel import random
+
+    if random.HAVE_TE:
+        yield
+        return
+    original_init = random.CheckpointWithoutOutput.__init__
+
+    def init_without_fp8(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.fp8 = False
+
+    random.CheckpointWithoutOutput.__init__ = init_without_fp8
+    try:
+        yield
+    finally:
+        random.CheckpointWithoutOutput.__init__ = original_init
+
+
 def _check_cache(rank, experts="bf16", whole_layer=False):
     """The cache on vs off, four micro-batches in flight through a checkpointed MoE layer
     (recompute_modules ["moe"]); with whole_layer, a whole TransformerLayer (local spec) with
@@ -271,7 +295,7 @@ def _check_cache(rank, experts="bf16", whole_layer=False):
     modules = ["layernorm", "moe"] if whole_layer else ["moe"]
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
     try:
-        with _counting_all_to_all_sends() as sends:
+        with _counting_all_to_all_sends() as sends, _layernorm_recompute_without_transformer_engine():
             model_parallel_cuda_manual_seed(1234)
             config = _config(1, 2, False, recompute_granularity="selective", recompute_modules=modules)
             uncached = build(config, FP4DispatchOptions(cache=False), experts=experts).cuda()
