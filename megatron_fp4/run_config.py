@@ -5,7 +5,8 @@ A config file holds:
 - `include`: a file name or list of them, relative to this file, loaded first (later files and
   this file's own keys override them);
 - `cluster`: where it runs, for the launch scripts and the estimator (`nodes`, `gpus_per_node`,
-  `gpu_memory_gib`); not a Megatron flag;
+  `gpu_memory_gib`); not a Megatron flag (`scripts/launch.py --enforce-memory-cap` turns
+  `gpu_memory_gib` into a per-process CUDA memory cap);
 - every other key: a flag. `true` writes the flag, `false` or `null` leaves it out (so an include's
   switch can be turned off), a list writes its items after the flag, anything else one value.
 
@@ -23,6 +24,8 @@ from pathlib import Path
 import yaml
 
 CLUSTER_KEYS = {"nodes": int, "gpus_per_node": int, "gpu_memory_gib": float}
+# How scripts/launch.py --enforce-memory-cap hands cluster.gpu_memory_gib to each training process.
+GPU_MEMORY_CAP_ENV = "MEGATRON_FP4_GPU_MEMORY_CAP_GIB"
 RESERVED_KEYS = ("include", "cluster")
 
 
@@ -163,4 +166,5 @@ def _run_argv(args) -> int:
     return 0
 
 
-__all__ = ["ConfigError", "RunConfig", "flags_to_argv", "known_flags", "load_config", "parse_config_argv"]
+__all__ = ["ConfigError", "GPU_MEMORY_CAP_ENV", "RunConfig", "flags_to_argv", "known_flags", "load_config",
+           "parse_config_argv"]

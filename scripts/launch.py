@@ -4,6 +4,7 @@
     scripts/launch.py configs/proxy/gpus2.yaml [extra launcher flags ...]
     NNODES=32 MASTER_ADDR=node001 scripts/launch.py configs/deepseek_v3_671b/fp4_mla_up_proj.yaml
     scripts/launch.py --dry-run CONFIG       # print the environment and the torchrun command only
+    scripts/launch.py --enforce-memory-cap CONFIG   # cap each GPU's memory at cluster.gpu_memory_gib
 
 Nodes and GPUs per node come from the config's `cluster` section; NNODES / GPUS_PER_NODE override
 them. One node: `torchrun --standalone`. Several: c10d rendezvous at MASTER_ADDR:MASTER_PORT with
@@ -11,6 +12,11 @@ the run's id, the same command on every node (scripts/slurm_launch.sbatch runs i
 The run directory (RUN_DIR, default runs/<config>_<RUN_ID or time>) gets the command line, this
 node's log and the checkpoints (--save/--load there unless the config names its own).
 Extra flags go after the config's, so they win.
+With --enforce-memory-cap every training process caps PyTorch's CUDA allocator at the config's
+cluster.gpu_memory_gib (passed as MEGATRON_FP4_GPU_MEMORY_CAP_GIB, which the launcher otherwise
+clears; scripts/pretrain_gpt_fp4.py applies it before its first CUDA allocation); going past it is
+Megatron's usual torch.OutOfMemoryError. Memory outside that allocator (CUDA context, NCCL) is not
+capped.
 """
 
 import argparse
@@ -24,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from megatron_fp4.run_config import ConfigError, load_config  # noqa: E402
+from megatron_fp4.run_config import GPU_MEMORY_CAP_ENV, ConfigError, load_config  # noqa: E402
 
 # What the public Megatron MoE recipes set; NVLink multicast stays off on shared hosts.
 RECIPE_ENV = {
@@ -47,6 +53,10 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="YAML run config (configs/...)")
     parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
+    parser.add_argument("--enforce-memory-cap", action="store_true",
+                        help="cap each training process's CUDA memory (PyTorch's caching allocator) at the "
+                             f"config's cluster.gpu_memory_gib, through {GPU_MEMORY_CAP_ENV}; an allocation "
+                             "past it raises torch.OutOfMemoryError. Default: no cap")
     args, extra = parser.parse_known_args(argv)
     return args, extra
 
@@ -84,6 +94,12 @@ def main(argv=None) -> int:
     run_dir = Path(env.get("RUN_DIR", REPO / "runs" / f"{Path(args.config).stem}_{run_id}")).resolve()
     node = env.get("NODE_RANK", env.get("SLURM_NODEID", "0"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop(GPU_MEMORY_CAP_ENV, None)  # the flag alone decides, not a variable left in the caller's shell
+    if args.enforce_memory_cap:
+        if "gpu_memory_gib" not in config.cluster:
+            print(f"error: --enforce-memory-cap needs cluster.gpu_memory_gib in {args.config}", file=sys.stderr)
+            return 2
+        env[GPU_MEMORY_CAP_ENV] = f"{config.cluster['gpu_memory_gib']:g}"
 
     flags = config.argv()
     if "save" not in config.flags:
@@ -94,7 +110,8 @@ def main(argv=None) -> int:
                *flags, *extra]
 
     print(f"launch: {args.config}: {nnodes} node(s) x {gpus_per_node} GPU(s), run dir {run_dir}, node {node}")
-    print("env: " + " ".join(f"{key}={env[key]}" for key in RECIPE_ENV))
+    shown = [*RECIPE_ENV, *([GPU_MEMORY_CAP_ENV] if args.enforce_memory_cap else [])]
+    print("env: " + " ".join(f"{key}={env[key]}" for key in shown))
     print(shlex.join(command), flush=True)
     if args.dry_run:
         return 0

@@ -18,6 +18,9 @@ The wheel ships megatron.training but no pretrain_gpt.py; this file is our count
 - data: --mock-data or indexed datasets (--data-path / --train-data-path ...), with Megatron's
   tokenizer flags (--tokenizer-type NullTokenizer --vocab-size N for mock data);
 - loss: masked next-token cross entropy, reported as "lm loss", averaged over tokens.
+- memory cap: with MEGATRON_FP4_GPU_MEMORY_CAP_GIB=N in the environment (scripts/launch.py
+  --enforce-memory-cap sets it from cluster.gpu_memory_gib) each process caps PyTorch's CUDA
+  allocator on its GPU at N GiB before its first CUDA allocation; past it, torch.OutOfMemoryError.
 Not handled here: context parallelism (batches are not sliced per CP rank; refused) and Megatron's
 --yaml-cfg (it replaces every flag, ours included).
 """
@@ -58,6 +61,7 @@ from megatron_fp4.integration import (
     use_fp8_experts,
 )
 from megatron_fp4.experts import FP8Experts
+from megatron_fp4.run_config import GPU_MEMORY_CAP_ENV
 
 
 def _importable(name: str) -> bool:
@@ -104,10 +108,13 @@ def add_launcher_args(parser):
         changed.update(no_persist_layer_norm=True)
     if not HAVE_FUSED_SOFTMAX:
         changed.update(masked_softmax_fusion=False)
+    cap_note = (f"Environment: {GPU_MEMORY_CAP_ENV}=N caps this process's CUDA memory (PyTorch's caching "
+                "allocator) at N GiB before the first allocation; past it, torch.OutOfMemoryError.")
     if changed:
         parser.set_defaults(**changed)
-        parser.epilog = ("Defaults changed by this launcher because Transformer Engine / apex kernels are not "
-                         "installed here: " + ", ".join(f"{k}={v}" for k, v in changed.items()) + ".")
+        cap_note += (" Defaults changed by this launcher because Transformer Engine / apex kernels are not "
+                     "installed here: " + ", ".join(f"{k}={v}" for k, v in changed.items()) + ".")
+    parser.epilog = cap_note
     return add_fp4_args(parser)
 
 
@@ -237,6 +244,36 @@ def refuse(sentence):
     sys.exit(2)
 
 
+def memory_fraction(cap_gib: float, total_bytes: int) -> float:
+    """The share of a GPU's `total_bytes` that `cap_gib` GiB is (set_per_process_memory_fraction's unit)."""
+    if not cap_gib > 0:  # also refuses NaN
+        raise ValueError(f"the cap must be a positive number of GiB, got {cap_gib}")
+    cap_bytes = cap_gib * 2**30
+    if cap_bytes > total_bytes:
+        raise ValueError(f"a {cap_gib:g} GiB cap is more than this GPU's {total_bytes / 2**30:.1f} GiB")
+    return cap_bytes / total_bytes
+
+
+def apply_memory_cap(local_rank: int) -> None:
+    """With GPU_MEMORY_CAP_ENV set, cap PyTorch's allocator on this process's GPU; call it before the
+    first CUDA allocation. The cap bounds what the allocator reserves, not the CUDA context or NCCL."""
+    text = os.environ.get(GPU_MEMORY_CAP_ENV)
+    if not text:
+        return
+    if not torch.cuda.is_available():
+        refuse(f"{GPU_MEMORY_CAP_ENV}={text} caps CUDA memory, but no CUDA GPU is visible.")
+    total_bytes = torch.cuda.get_device_properties(local_rank).total_memory
+    try:
+        cap_gib = float(text)
+        fraction = memory_fraction(cap_gib, total_bytes)
+    except ValueError as err:
+        refuse(f"{GPU_MEMORY_CAP_ENV}={text}: {err}.")
+    torch.cuda.set_device(local_rank)  # the GPU Megatron picks later; keeps this rank's context off GPU 0
+    torch.cuda.set_per_process_memory_fraction(fraction, local_rank)
+    print(f"rank {os.environ.get('RANK', '0')}: capping this process's CUDA memory at {cap_gib:g} GiB of "
+          f"{total_bytes / 2**30:.1f} GiB (GPU {local_rank}, {GPU_MEMORY_CAP_ENV})", flush=True)
+
+
 def parse_launcher_args():
     """Megatron's parse + validate (which also sets its globals: args, tokenizer, timers)."""
     # Megatron 0.19.2 divides by --eval-interval even when it is unset; unset means "no evaluation
@@ -252,6 +289,7 @@ def main():
         refuse(str(err))
     if args.context_parallel_size > 1:
         refuse("this launcher does not slice batches for context parallelism: use --context-parallel-size 1.")
+    apply_memory_cap(args.local_rank)
 
     use_prebuilt_dataset_helpers()
     with warnings.catch_warnings():  # it recommends a model config; we pass a model provider

@@ -307,8 +307,8 @@ def _check_cache(rank, experts="bf16", whole_layer=False):
             pairs = [_inputs(10 * dist.get_rank() + m, 1) for m in range(MICRO_BATCHES)]
             inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
             where = f"rank {rank} cache, recompute {modules}, {experts} experts"
-            with torch.no_grad():
-                cached(inputs[0])
+            with torch.no_grad():  # the MoE layer itself: Megatron's layernorm recompute needs grad on
+                moe(inputs[0])
             assert len(cache) == 0, f"{where}: a no_grad forward cached a dispatch"
             out_u, dx_u, dw_u, sends_u = _checkpointed_steps(uncached, inputs, grads, sends)
             out_c, dx_c, dw_c, sends_c = _checkpointed_steps(cached, inputs, grads, sends)

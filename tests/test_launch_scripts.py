@@ -1,4 +1,5 @@
-"""Single-node, multi-node and SLURM launches, checked by dry runs that print the torchrun command."""
+"""Single-node, multi-node and SLURM launches, checked by dry runs that print the torchrun command,
+and --enforce-memory-cap (also through a stand-in torchrun that prints what it was given)."""
 
 import os
 import shlex
@@ -12,12 +13,15 @@ SBATCH = ROOT / "scripts" / "slurm_launch.sbatch"
 CONFIG_671B = "configs/deepseek_v3_671b/fp4_mla_up_proj.yaml"
 
 
-def _dry_run(config, *extra, **env):
+def _launch(config, *extra, **env):
     ours = ("NNODES", "GPUS_PER_NODE", "RUN_ID", "RUN_DIR", "SLURM_JOB_ID", "MASTER_ADDR", "TORCHRUN", "NODE_RANK")
     run_env = {k: v for k, v in os.environ.items() if k not in ours}
-    result = subprocess.run([sys.executable, str(LAUNCH), "--dry-run", config, *extra], capture_output=True,
-                            text=True, timeout=120, cwd=ROOT, env={**run_env, **env}, check=False)
-    return result
+    return subprocess.run([sys.executable, str(LAUNCH), config, *extra], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**run_env, **env}, check=False)
+
+
+def _dry_run(config, *extra, **env):
+    return _launch(config, "--dry-run", *extra, **env)
 
 
 def _torchrun_words(result):
@@ -77,3 +81,37 @@ def test_slurm_wrapper_runs_launch_on_every_node(tmp_path):
     assert words[words.index("--rdzv-id") + 1] == "777"
     assert words[-2:] == ["--train-iters", "3"]
     assert "runs/fp4_mla_up_proj_777" in result.stdout
+
+
+def test_memory_cap_is_opt_in_and_comes_from_the_config(tmp_path):
+    help_text = subprocess.run([sys.executable, str(LAUNCH), "--help"], capture_output=True, text=True, timeout=60,
+                               check=True).stdout
+    assert "--enforce-memory-cap" in help_text and "cluster.gpu_memory_gib" in help_text
+    memcap = "configs/proxy/memcap_bf16_attn.yaml"
+    capped = _dry_run(memcap, "--enforce-memory-cap", "--train-iters", "3", RUN_DIR=str(tmp_path / "run"))
+    words = _torchrun_words(capped)
+    assert words[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"]
+    assert "--enforce-memory-cap" not in words and words[-2:] == ["--train-iters", "3"]
+    assert "MEGATRON_FP4_GPU_MEMORY_CAP_GIB=14" in capped.stdout.splitlines()[1].split()  # the "env:" line
+    # Without the flag no cap, even if the caller's shell still has the variable.
+    uncapped = _dry_run(memcap, RUN_DIR=str(tmp_path / "run"), MEGATRON_FP4_GPU_MEMORY_CAP_GIB="10")
+    assert uncapped.returncode == 0 and "MEGATRON_FP4_GPU_MEMORY_CAP_GIB" not in uncapped.stdout
+
+
+def test_memory_cap_reaches_the_training_processes(tmp_path):
+    # A stand-in torchrun that prints the variable, run for real (not a dry run).
+    fake_torchrun = shlex.join([sys.executable, "-c", "import os; print('cap=' + os.environ.get("
+                                "'MEGATRON_FP4_GPU_MEMORY_CAP_GIB', 'none'))"])
+    for flags, expected in ((["--enforce-memory-cap"], "cap=14"), ([], "cap=none")):
+        result = _launch("configs/proxy/memcap_fp4_fp8_attn.yaml", *flags, TORCHRUN=fake_torchrun,
+                         RUN_DIR=str(tmp_path / "run"), MEGATRON_FP4_GPU_MEMORY_CAP_GIB="10")
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def test_memory_cap_needs_the_configs_gpu_memory(tmp_path):
+    config = tmp_path / "no_memory.yaml"
+    config.write_text("num_layers: 2\ncluster: {nodes: 1, gpus_per_node: 2}\n")
+    result = _dry_run(str(config), "--enforce-memory-cap")
+    assert result.returncode == 2
+    assert f"error: --enforce-memory-cap needs cluster.gpu_memory_gib in {config}" in result.stderr

@@ -1,6 +1,7 @@
 """The pretraining launcher on CPU: --help, the refusal path, the proxy script's command line, and
 what the launcher builds from that command line (layer specs, mock data, loss) short of the model
-itself (Megatron's MoE layers allocate CUDA buffers and streams when built)."""
+itself (Megatron's MoE layers allocate CUDA buffers and streams when built); the memory cap against
+a stand-in GPU."""
 
 import importlib.util
 import os
@@ -77,6 +78,7 @@ def test_help_lists_our_flags_and_megatrons():
                  "--num-experts", "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--mtp-num-layers",
                  "--mock-data", "--tokenizer-type", "--transformer-impl"):
         assert flag in result.stdout, flag
+    assert "Environment: MEGATRON_FP4_GPU_MEMORY_CAP_GIB=N caps" in " ".join(result.stdout.split())
 
 
 def test_proxy_script_syntax_and_command_line():
@@ -142,3 +144,63 @@ def test_mock_data_batches_and_loss(launcher_argv):
     loss, num_tokens, report = launcher.loss_func(mask, per_token)
     assert loss.item() == 13.0 and num_tokens.item() == 4
     assert report["lm loss"].tolist() == [13.0, 4.0]
+
+
+def test_memory_fraction_of_a_cap():
+    total = 140 * 2**30
+    assert launcher.memory_fraction(14, total) == 0.1
+    assert launcher.memory_fraction(1, 2**30) == 1.0  # the whole GPU is allowed
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="positive number of GiB"):
+            launcher.memory_fraction(bad, total)
+    with pytest.raises(ValueError, match="a 200 GiB cap is more than this GPU's 140.0 GiB"):
+        launcher.memory_fraction(200, total)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A visible 16 GiB GPU whose set_device / memory-fraction calls are recorded, not made."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 16 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: calls.append(("fraction", fraction, device)))
+    return calls
+
+
+def test_memory_cap_comes_from_the_environment(monkeypatch, fake_gpu, capsys):
+    monkeypatch.delenv(launcher.GPU_MEMORY_CAP_ENV, raising=False)
+    launcher.apply_memory_cap(1)
+    assert fake_gpu == []  # no variable, no cap
+
+    monkeypatch.setenv(launcher.GPU_MEMORY_CAP_ENV, "14")
+    monkeypatch.setenv("RANK", "3")
+    launcher.apply_memory_cap(1)
+    assert fake_gpu == [("set_device", 1), ("fraction", 14 / 16, 1)]
+    assert "rank 3: capping this process's CUDA memory at 14 GiB of 16.0 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, message", [("20", "a 20 GiB cap is more than this GPU's 16.0 GiB."),
+                                            ("0", "the cap must be a positive number of GiB, got 0.0."),
+                                            ("lots", "could not convert string to float")])
+def test_memory_cap_refusals(monkeypatch, fake_gpu, capsys, value, message):
+    monkeypatch.setenv(launcher.GPU_MEMORY_CAP_ENV, value)
+    with pytest.raises(SystemExit) as stop:
+        launcher.apply_memory_cap(0)
+    assert stop.value.code == 2 and fake_gpu == []
+    assert f"error: {launcher.GPU_MEMORY_CAP_ENV}={value}: {message}" in capsys.readouterr().err
+
+
+def test_memory_cap_needs_a_gpu(monkeypatch, capsys):
+    monkeypatch.setenv(launcher.GPU_MEMORY_CAP_ENV, "14")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        launcher.apply_memory_cap(0)
+    assert stop.value.code == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
+
+
+def test_memory_cap_goes_to_the_local_rank(launcher_argv, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    launcher_argv(proxy_command("2"), world_size=2)
+    assert launcher.parse_launcher_args().local_rank == 1  # what main() passes to apply_memory_cap
