@@ -297,7 +297,9 @@ def _check_cache(rank, experts="bf16", whole_layer=False):
     try:
         with _counting_all_to_all_sends() as sends, _layernorm_recompute_without_transformer_engine():
             model_parallel_cuda_manual_seed(1234)
-            config = _config(1, 2, False, recompute_granularity="selective", recompute_modules=modules)
+            # No dropout (the recipes have none): the two runs draw different masks from the RNG.
+            config = _config(1, 2, False, recompute_granularity="selective", recompute_modules=modules,
+                             attention_dropout=0.0, hidden_dropout=0.0)
             uncached = build(config, FP4DispatchOptions(cache=False), experts=experts).cuda()
             cached = build(config, FP4DispatchOptions(cache=True), experts=experts).cuda()
             if whole_layer:  # its layer norms are built in FP32; Megatron's Float16Module casts the model
@@ -438,16 +440,18 @@ def _worker(rank, world, init_file, failures, make_checks, timeout_s):
     for check in make_checks():
         name = getattr(check, "func", check).__name__ + str(getattr(check, "keywords", ""))
         start = time.monotonic()
+        outcome = "done"
         try:
             check(rank)
         except AssertionError as error:
             failures.put(str(error))
+            outcome = "failed"
         except BaseException:
             # Anything else leaves the peer waiting in a collective: report it and leave at once
             # (destroy_process_group could block on that peer).
             print(f"rank {rank}: {name} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             os._exit(1)
-        print(f"rank {rank}: {name} done in {time.monotonic() - start:.1f} s", flush=True)
+        print(f"rank {rank}: {name} {outcome} in {time.monotonic() - start:.1f} s", flush=True)
     faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
