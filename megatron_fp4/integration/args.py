@@ -50,7 +50,9 @@ def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="With --recompute-modules moe: keep each MoE layer's received MXFP4 payload (26.6%% of the "
         "BF16 bytes) from its first pass, so that the recompute does not send the dispatch again. The "
-        "gradient all-to-all still runs. Needs --moe-fp4-dispatch. Off by default.",
+        "gradient all-to-all still runs. Needs --moe-fp4-dispatch. Off by default: faster, but it holds the "
+        "payload of every checkpointed MoE layer and micro-batch in flight, memory that `moe` recompute "
+        "was chosen to save.",
     )
     group.add_argument(
         "--moe-fp4-saved-input",
