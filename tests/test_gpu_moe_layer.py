@@ -20,8 +20,8 @@ The recompute cache (--moe-fp4-cache), same machinery (with BF16 and FP8 experts
 recompute_modules ["moe"], four micro-batches in flight, gives bit-identical outputs and gradients
 with the cache on and off, and with it on the recompute sends no forward dispatch (counted). The
 same for a whole transformer layer with recompute_modules ["layernorm", "moe"]. The
-same through Megatron's 1F1B pipeline schedule with PP 2 (EP 1) and four micro-batches (a separate
-test)."""
+same through Megatron's pipeline schedules with PP 2 (EP 1) and four micro-batches: 1F1B, and
+the interleaved schedule with two virtual stages per rank (a separate test)."""
 
 import contextlib
 import datetime
@@ -89,8 +89,8 @@ def _config(tp, ep, overlap, **extra):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        **extra,
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        **{"num_layers": 1, **extra},
+        hidden_size=HIDDEN, num_attention_heads=8, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
         moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=512, moe_shared_expert_overlap=overlap,
         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
@@ -341,12 +341,13 @@ class _PipelineStage(torch.nn.Module):
         return self.layer(x if self.input_tensor is None else self.input_tensor)[0]
 
 
-def _pipeline_step(stage, micro_batches):
-    """One step of Megatron's 1F1B schedule over the micro-batches; (losses on the last stage,
-    parameter gradients)."""
+def _pipeline_step(chunks, micro_batches):
+    """One step of Megatron's pipeline schedule (1F1B, or interleaved with several chunks per rank)
+    over the micro-batches; (losses on the last stage, parameter gradients by chunk and name)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    stage.zero_grad(set_to_none=True)
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
 
     def forward_step(data_iterator, model):
         x, gy = next(data_iterator)
@@ -357,16 +358,20 @@ def _pipeline_step(stage, micro_batches):
 
         return out, loss_func
 
+    # The interleaved schedule takes one iterator per chunk; only the first stage's first chunk reads x.
+    data = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[stage],
+        forward_step_func=forward_step, data_iterator=data, model=chunks,
         num_microbatches=len(micro_batches), seq_length=TOKENS_PER_RANK // 2, micro_batch_size=2, forward_only=False)
-    return losses, {name: p.grad.clone() for name, p in stage.named_parameters()}
+    grads = {f"chunk {i} {name}": p.grad.clone() for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+    return losses, grads
 
 
-def _check_cache_pipeline(rank, experts="bf16"):
-    """PP 2 (EP 1) through Megatron's own 1F1B schedule, four micro-batches: the cache gives the same
-    losses and gradients bit for bit, and the recomputes dispatch nothing (forward dispatches
-    counted at the dispatcher, which sends even with one EP rank)."""
+def _check_cache_pipeline(rank, experts="bf16", virtual_stages=1):
+    """PP 2 (EP 1) through Megatron's own pipeline schedule, four micro-batches (1F1B; with
+    virtual_stages 2, the interleaved schedule with two checkpointed layers per rank): the cache
+    gives the same losses and gradients bit for bit, and the recomputes dispatch nothing (forward
+    dispatches counted at the dispatcher, which sends even with one EP rank)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -374,8 +379,10 @@ def _check_cache_pipeline(rank, experts="bf16"):
     from megatron_fp4.integration import FP4DispatchOptions
     from megatron_fp4.integration.standalone import build_moe_layer
 
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, expert_model_parallel_size=1,
-                                             expert_tensor_parallel_size=1, distributed_timeout_minutes=4)
+    vpp = virtual_stages if virtual_stages > 1 else None
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp,
+                                             expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+                                             distributed_timeout_minutes=4)
     dispatches = []
     real_dispatch = token_dispatcher.fp4_dispatch_all_to_all
 
@@ -387,28 +394,34 @@ def _check_cache_pipeline(rank, experts="bf16"):
     try:
         model_parallel_cuda_manual_seed(1234)
         config = _config(1, 1, False, recompute_granularity="selective", recompute_modules=["moe"],
-                         pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16)
-        stages = {}
+                         num_layers=2 * virtual_stages, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.bfloat16)
+        runs = {}
         for cache in (False, True):
-            layer = build_moe_layer(config, FP4DispatchOptions(cache=cache), experts=experts).cuda()
-            stages[cache] = _PipelineStage(layer, config)
-        stages[True].load_state_dict(stages[False].state_dict())
+            runs[cache] = [_PipelineStage(build_moe_layer(config, FP4DispatchOptions(cache=cache), layer_number=1 + v,
+                                                          experts=experts).cuda(), config)
+                           for v in range(virtual_stages)]
+        for uncached, cached in zip(runs[False], runs[True]):
+            cached.load_state_dict(uncached.state_dict())
         micro_batches = [_inputs(100 * rank + m, 1) for m in range(MICRO_BATCHES)]
         results = {}
-        for cache, stage in stages.items():
+        for cache, chunks in runs.items():
             dispatches.clear()
-            results[cache] = _pipeline_step(stage, micro_batches)
+            results[cache] = _pipeline_step(chunks, micro_batches)
             results[cache] += (len(dispatches), sum(dispatches))
-        where = f"rank {rank} cache under PP 2, {experts} experts"
+        where = f"rank {rank} cache under PP 2 x VPP {virtual_stages}, {experts} experts"
         (losses_u, grads_u, sent_u, recomputed_u), (losses_c, grads_c, sent_c, recomputed_c) = results[False], results[True]
         print(f"{where}: dispatches without cache {sent_u} ({recomputed_u} in recomputes), with it {sent_c} "
               f"({recomputed_c}); losses {[float(x['loss']) for x in losses_c]}")
-        assert (sent_u, recomputed_u) == (2 * MICRO_BATCHES, MICRO_BATCHES), f"{where}: uncached sent {sent_u}"
-        assert (sent_c, recomputed_c) == (MICRO_BATCHES, 0), f"{where}: cached sent {sent_c}, {recomputed_c} in recomputes"
-        assert len(stages[True].layer.token_dispatcher.recompute_cache) == 0, f"{where}: entries left after the step"
+        layer_passes = virtual_stages * MICRO_BATCHES
+        assert (sent_u, recomputed_u) == (2 * layer_passes, layer_passes), f"{where}: uncached sent {sent_u}"
+        assert (sent_c, recomputed_c) == (layer_passes, 0), f"{where}: cached sent {sent_c}, {recomputed_c} in recomputes"
+        for chunk in runs[True]:
+            assert len(chunk.layer.token_dispatcher.recompute_cache) == 0, f"{where}: entries left after the step"
         assert len(losses_c) == len(losses_u) == (MICRO_BATCHES if rank == 1 else 0), f"{where}: losses {losses_c}"
         for a, b in zip(losses_c, losses_u):
             assert torch.equal(a["loss"], b["loss"]), f"{where}: losses differ"
+        assert grads_u.keys() == grads_c.keys() and len(grads_u) > 0
         for name, g in grads_u.items():
             assert _same_bits(grads_c[name], g), f"{where}: gradient of {name} differs"
     finally:
@@ -425,7 +438,8 @@ def _layer_checks():
 
 
 def _pipeline_checks():
-    return [_check_cache_pipeline, functools.partial(_check_cache_pipeline, experts="fp8")]
+    return [functools.partial(_check_cache_pipeline, experts=experts, virtual_stages=vpp)
+            for vpp in (1, 2) for experts in ("bf16", "fp8")]
 
 
 def _worker(rank, world, init_file, failures, make_checks, timeout_s):
