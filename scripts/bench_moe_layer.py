@@ -66,10 +66,10 @@ def slowest_median_ms(fn, iters: int, warmup: int) -> float:
     return float(median)
 
 
-def interleaved_medians_ms(fns: dict, iters: int, warmup: int) -> dict:
-    """slowest_median_ms for several functions measured in turns (one call of each per round, the
-    order rotating), so that clock and thermal drift over the run hit all of them alike: for
-    differences between rows smaller than the run-to-run spread."""
+def interleaved_times_ms(fns: dict, iters: int, warmup: int) -> dict:
+    """This rank's per-round times of several functions measured in turns (one call of each per
+    round, the order rotating), so that clock and thermal drift over the run hit all of them alike:
+    for differences between rows smaller than the run-to-run spread."""
     names = list(fns)
     times = {name: [] for name in names}
     for i in range(warmup + iters):
@@ -82,9 +82,15 @@ def interleaved_medians_ms(fns: dict, iters: int, warmup: int) -> dict:
             torch.cuda.synchronize()
             if i >= warmup:
                 times[name].append(start.elapsed_time(end))
-    medians = torch.tensor([statistics.median(times[name]) for name in names], device="cuda")
+    return times
+
+
+def interleaved_medians_ms(fns: dict, iters: int, warmup: int) -> dict:
+    """slowest_median_ms for several functions, timed in turns (interleaved_times_ms)."""
+    times = interleaved_times_ms(fns, iters, warmup)
+    medians = torch.tensor([statistics.median(t) for t in times.values()], device="cuda")
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return dict(zip(names, medians.tolist()))
+    return dict(zip(times, medians.tolist()))
 
 
 def moe_config(args, world: int, **extra):

@@ -244,14 +244,20 @@ def refuse(sentence):
     sys.exit(2)
 
 
+# A config states the GPU's nominal size (80 for an "80 GB" H100), which the device reports a few %
+# lower (79.2 GiB): within this margin the cap means "the whole GPU".
+NOMINAL_SIZE_MARGIN = 1.03
+
+
 def memory_fraction(cap_gib: float, total_bytes: int) -> float:
-    """The share of a GPU's `total_bytes` that `cap_gib` GiB is (set_per_process_memory_fraction's unit)."""
+    """The share of a GPU's `total_bytes` that `cap_gib` GiB is (set_per_process_memory_fraction's unit);
+    1.0 for a cap up to NOMINAL_SIZE_MARGIN above the GPU's size."""
     if not cap_gib > 0:  # also refuses NaN
         raise ValueError(f"the cap must be a positive number of GiB, got {cap_gib}")
     cap_bytes = cap_gib * 2**30
-    if cap_bytes > total_bytes:
+    if cap_bytes > NOMINAL_SIZE_MARGIN * total_bytes:
         raise ValueError(f"a {cap_gib:g} GiB cap is more than this GPU's {total_bytes / 2**30:.1f} GiB")
-    return cap_bytes / total_bytes
+    return min(cap_bytes / total_bytes, 1.0)
 
 
 def apply_memory_cap(local_rank: int) -> None:
@@ -270,8 +276,9 @@ def apply_memory_cap(local_rank: int) -> None:
         refuse(f"{GPU_MEMORY_CAP_ENV}={text}: {err}.")
     torch.cuda.set_device(local_rank)  # the GPU Megatron picks later; keeps this rank's context off GPU 0
     torch.cuda.set_per_process_memory_fraction(fraction, local_rank)
+    whole = " (its nominal size: the whole GPU)" if fraction == 1.0 else ""
     print(f"rank {os.environ.get('RANK', '0')}: capping this process's CUDA memory at {cap_gib:g} GiB of "
-          f"{total_bytes / 2**30:.1f} GiB (GPU {local_rank}, {GPU_MEMORY_CAP_ENV})", flush=True)
+          f"{total_bytes / 2**30:.1f} GiB{whole} (GPU {local_rank}, {GPU_MEMORY_CAP_ENV})", flush=True)
 
 
 def parse_launcher_args():

@@ -133,3 +133,43 @@ def test_replay_equals_sending_again_without_forward_all_to_all(grad_format):
         pytest.skip("the gloo test runs on CPU machines; the GPU path is tested through the MoE layer")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), grad_format), nprocs=2, join=True)
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replay_hands_on_the_recomputes_own_probs(one_rank_group):
+    """Megatron's router sorts its top-k only with grad on, so a recompute can compute probs one BF16
+    unit apart from its first pass: the replay must pass on this pass's probs (and their gradient),
+    with the cached tokens."""
+    from megatron_fp4.dispatch.options import FP4DispatchOptions
+    from megatron_fp4.dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
+    from megatron_fp4.kernels import dequantize_mxfp4, quantize_mxfp4
+
+    dispatcher = object.__new__(FP4AlltoAllTokenDispatcher)  # only what _replay_dispatch reads
+    dispatcher.recompute_cache = DispatchCache("layer 1")
+    dispatcher.fp4_options = FP4DispatchOptions(cache=True)
+    dispatcher.ep_group, dispatcher.use_nccl_stream = one_rank_group, False
+    dispatcher.output_splits = dispatcher.input_splits = None
+    dispatcher.shared_experts, dispatcher.payload_for_experts, dispatcher._received_payload = None, False, None
+    layer_input = torch.zeros(3, 2, HIDDEN)
+    dispatcher.micro_batch_key = MicroBatchKey.of(layer_input)
+    g = torch.Generator().manual_seed(7)
+    tokens = (torch.randn(6, HIDDEN, generator=g) * 4).bfloat16()
+    payload = quantize_mxfp4(tokens)
+    dispatcher.recompute_cache.store(dispatcher.micro_batch_key, CachedDispatch(payload, (6,), (6,)))
+
+    recompute_probs = torch.rand(6, generator=g).requires_grad_(True)
+    received, received_probs = dispatcher._replay_dispatch(tokens.clone().requires_grad_(True), recompute_probs,
+                                                           [6], [6])
+    assert torch.equal(received_probs, recompute_probs)
+    assert torch.equal(received.view(torch.int16), dequantize_mxfp4(payload).bfloat16().view(torch.int16))
+    (received_probs * torch.arange(6.0)).sum().backward()
+    assert torch.equal(recompute_probs.grad, torch.arange(6.0))
+    assert len(dispatcher.recompute_cache) == 0

@@ -21,7 +21,7 @@ recompute_modules ["moe"], four micro-batches in flight, gives bit-identical out
 with the cache on and off, and with it on the recompute sends no forward dispatch (counted). The
 same for a whole transformer layer with recompute_modules ["layernorm", "moe"]. The
 same through Megatron's pipeline schedules with PP 2 (EP 1) and four micro-batches: 1F1B, and
-the interleaved schedule with two virtual stages per rank (a separate test)."""
+the interleaved schedule with two virtual stages per rank (the second test)."""
 
 import contextlib
 import datetime
@@ -459,11 +459,14 @@ def _worker(rank, world, init_file, failures, make_checks, timeout_s):
             check(rank)
         except AssertionError as error:
             failures.put(str(error))
-            outcome = "failed"
+            outcome = f"failed: {error}"
         except BaseException:
             # Anything else leaves the peer waiting in a collective: report it and leave at once
-            # (destroy_process_group could block on that peer).
+            # (destroy_process_group could block on that peer), after the queue has flushed.
             print(f"rank {rank}: {name} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            failures.put(f"rank {rank}: {name} raised {traceback.format_exc(limit=1)}")
+            failures.close()
+            failures.join_thread()
             os._exit(1)
         print(f"rank {rank}: {name} {outcome} in {time.monotonic() - start:.1f} s", flush=True)
     faulthandler.cancel_dump_traceback_later()
@@ -476,19 +479,25 @@ def _run_on_two_gpus(make_checks, timeout_s: int) -> None:
     for knob in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(knob, "0" if knob == "NCCL_NVLS_ENABLE" else "1")
     failures = mp.get_context("spawn").Queue()
+    problem = None
     with tempfile.TemporaryDirectory() as tmp:
         processes = mp.start_processes(_worker, args=(2, os.path.join(tmp, "init"), failures, make_checks, timeout_s),
                                        nprocs=2, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
-        while not processes.join(timeout=5):
-            if time.monotonic() > deadline:
-                for process in processes.processes:
-                    process.kill()
-                pytest.fail(f"the ranks did not finish in {timeout_s} s (stuck in communication?)")
-    found = []
+        try:
+            while not processes.join(timeout=5):
+                if time.monotonic() > deadline:
+                    for process in processes.processes:
+                        process.kill()
+                    problem = f"the ranks did not finish in {timeout_s} s (stuck in communication?)"
+                    break
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:  # a rank died or raised outside a check
+            problem = str(error)
+    found = [problem] if problem else []
     while not failures.empty():
         found.append(failures.get())
-    assert not found, "\n".join(found)
+    if found:
+        pytest.fail("\n".join(found))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -69,6 +69,10 @@ def test_cache_flag_needs_dispatch_and_moe_recompute():
     with pytest.raises(FP4DispatchUnsupported, match="--recompute-modules moe"):
         _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["mlp"]))
     _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["moe", "layernorm"]))
+    # Token dropping keeps tokens by probability, which the recompute may compute one BF16 unit apart.
+    with pytest.raises(FP4DispatchUnsupported, match="--moe-expert-capacity-factor"):
+        _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["moe"],
+                       moe_expert_capacity_factor=1.0))
 
 
 def test_saved_input_flag_needs_dispatch_and_no_permute_fusion():

@@ -150,6 +150,8 @@ def test_memory_fraction_of_a_cap():
     total = 140 * 2**30
     assert launcher.memory_fraction(14, total) == 0.1
     assert launcher.memory_fraction(1, 2**30) == 1.0  # the whole GPU is allowed
+    # A nominal "80 GB" cap on an H100 that reports 79.2 GiB: the whole GPU, not a refusal.
+    assert launcher.memory_fraction(80, 85_032_697_856) == 1.0
     for bad in (0, -1, float("nan")):
         with pytest.raises(ValueError, match="positive number of GiB"):
             launcher.memory_fraction(bad, total)

@@ -7,6 +7,15 @@ from ..formats import SCALE_RULES, check_scale_rule
 
 GRAD_FORMATS = ("bf16", "fp8")
 
+# Megatron keeps each over-capacity expert's top tokens by probability, and the no-grad first pass
+# and the recompute can compute probs one BF16 unit apart (its router sorts top-k only with grad):
+# the kept tokens can differ with the same counts, so a cached payload could be the wrong tokens.
+CACHE_WITH_CAPACITY = (
+    "--moe-fp4-cache does not support --moe-expert-capacity-factor: with token dropping the recompute can "
+    "keep other tokens than the first pass (same counts), so the cached dispatch could be the wrong tokens; "
+    "drop one of the two flags."
+)
+
 
 @dataclass(frozen=True)
 class FP4DispatchOptions:
@@ -39,4 +48,4 @@ class FP4DispatchOptions:
         )
 
 
-__all__ = ["FP4DispatchOptions", "GRAD_FORMATS"]
+__all__ = ["CACHE_WITH_CAPACITY", "FP4DispatchOptions", "GRAD_FORMATS"]

@@ -21,7 +21,7 @@ import torch
 from ..formats import FP8_BLOCK
 from .all_to_all import fp4_dispatch_all_to_all
 from .cache import CachedDispatch, DispatchCache, DispatchCacheError
-from .options import FP4DispatchOptions
+from .options import CACHE_WITH_CAPACITY, FP4DispatchOptions
 from ..tensors import MXFP4Tensor
 from .replay import replay_tokens
 
@@ -49,6 +49,8 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.fp4_options = options if options is not None else FP4DispatchOptions()
         # With --moe-fp4-cache: the recompute cache, and the micro-batch the layer is running (set by
         # FP4MoELayer when its forward is checkpointed; None otherwise, and then nothing is cached).
+        if self.fp4_options.cache and config.moe_expert_capacity_factor is not None:
+            raise ValueError(CACHE_WITH_CAPACITY)
         self.recompute_cache = DispatchCache(f"MoE experts {local_expert_indices[0]}..") if self.fp4_options.cache else None
         self.micro_batch_key = None
         self.layer_names_micro_batches = False  # FP4MoELayer sets it (and hooks the experts); a patched MoELayer does not

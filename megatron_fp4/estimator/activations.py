@@ -131,8 +131,8 @@ def moe_mlp(c: Ctx) -> dict:
     if "moe" in c.rc:
         if not ln_dropped:
             out["moe_checkpoint_in"] = c.resid * h * mb
-        if p.fp4_cache:  # received MXFP4 payload + probs kept for the recompute (no second dispatch)
-            out["fp4_cache"] = rows * (h * MXFP4_BYTES + 4)
+        if p.fp4_cache:  # received MXFP4 payload kept for the recompute (no second dispatch; probs re-sent)
+            out["fp4_cache"] = rows * h * MXFP4_BYTES
         return out
     if not ln_dropped:
         out["router_in"] = c.resid * h * mb  # the router (and a BF16 shared expert) keep the LN output

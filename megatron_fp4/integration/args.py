@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..dispatch import GRAD_FORMATS
+from ..dispatch.options import CACHE_WITH_CAPACITY
 from .experts_spec import EXPERTS_CHOICES
 from ..formats import FP8_BLOCK, SCALE_RULES
 
@@ -21,6 +22,7 @@ SUPPORTED_MEGATRON_CORE = ((0, 17), (0, 19))
 
 class FP4DispatchUnsupported(ValueError):
     """A configuration the FP4 dispatcher cannot serve."""
+
 
 
 def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -50,7 +52,8 @@ def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="With --recompute-modules moe: keep each MoE layer's received MXFP4 payload (26.6%% of the "
         "BF16 bytes) from its first pass, so that the recompute does not send the dispatch again. The "
-        "gradient all-to-all still runs. Needs --moe-fp4-dispatch. Off by default: faster, but it holds the "
+        "gradient all-to-all still runs. Needs --moe-fp4-dispatch; not with --moe-expert-capacity-factor. "
+        "Off by default: faster, but it holds the "
         "payload of every checkpointed MoE layer and micro-batch in flight, memory that `moe` recompute "
         "was chosen to save.",
     )
@@ -132,6 +135,8 @@ def check_fp4_dispatch_supported(args, megatron_core_version: Optional[str] = No
             "--moe-fp4-cache serves only the recompute of whole MoE layers: add --recompute-granularity selective "
             "--recompute-modules moe (...), or drop --moe-fp4-cache."
         )
+    if getattr(args, "moe_fp4_cache", False) and getattr(args, "moe_expert_capacity_factor", None) is not None:
+        raise FP4DispatchUnsupported(CACHE_WITH_CAPACITY)
     if getattr(args, "moe_fp4_saved_input", False) and getattr(args, "moe_permute_fusion", False):
         raise FP4DispatchUnsupported(
             "--moe-fp4-saved-input does not support --moe-permute-fusion yet: the payload rows are reordered like "
