@@ -9,7 +9,8 @@
 #
 #   scripts/gpu_checks.sh                  # on a machine with 1+ GPUs
 # Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_moe_layer
-# bench_moe_cache profile_fp4_fp8 train_proxy; default all) to split the work over two device calls,
+# bench_moe_cache profile_fp4_fp8 profile_cache memcap_capped train_proxy; default all) to split the
+# work over two device calls,
 # e.g. CHECKS="bench_moe_cache profile_fp4_fp8 train_proxy" TRAIN_ITERS=200; TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
 # MEGATRON_WHEEL_DIR (.whl): megatron-core wheels installed to /tmp/site when not importable.
 set -uo pipefail
@@ -45,6 +46,22 @@ if ((GPUS >= 2)); then
     step bench_moe_cache torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_cache.py --experts "$EXPERTS"
     step profile_fp4_fp8 torchrun --standalone --nproc-per-node "$GPUS" scripts/profile_moe_layer.py \
         --experts "$EXPERTS" --layer stock,fp4-fp8 --host
+    # Why the cache saves little with FP8 experts: the checkpointed FP8 layer with and without it.
+    step profile_cache torchrun --standalone --nproc-per-node "$GPUS" scripts/profile_moe_layer.py \
+        --experts "$EXPERTS" --layer fp4-fp8-recompute,fp4-fp8-cache
+fi
+if ((GPUS == 2)); then
+    # The memory-cap proxies under their 14 GiB cap: stock BF16 with attention recompute only is
+    # expected to stop with torch.OutOfMemoryError, FP4 dispatch with FP8 experts to train.
+    memcap() {
+        local config=$1
+        RUN_DIR=runs/capped_$config python3 scripts/launch.py --enforce-memory-cap "configs/proxy/$config.yaml" \
+            --train-iters 3 --log-interval 1 --eval-iters 0 --no-save-optim --no-save-rng >"runs/capped_$config.log" 2>&1
+        echo "$config: exit $?"
+        grep -E "capping|max allocated|OutOfMemoryError: CUDA" "runs/capped_$config.log" | cut -c1-240 | sed -n '1p;$p'
+    }
+    mkdir -p runs
+    step memcap_capped bash -c "$(declare -f memcap); memcap memcap_bf16_attn; memcap memcap_fp4_fp8_attn"
 fi
 step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-60}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \
     --moe-fp4-experts fp8

@@ -6,6 +6,10 @@ busy) and the kernels by total GPU time; with --host also the host syncs of one 
 Python lines that caused them) and the CPU ops by self CPU time.
 
     torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer stock,fp4-fp8 [--host]
+    torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer fp4-fp8-recompute,fp4-fp8-cache
+
+Layers: see LAYERS (the *-recompute and *-cache ones checkpoint the layer with recompute_modules
+["moe"], the latter with the FP4 recompute cache on).
 """
 
 import collections
@@ -19,7 +23,13 @@ import torch
 import torch.distributed as dist
 from bench_moe_layer import layer_step, moe_config, parse_args, start_expert_parallel
 
-LAYERS = {"stock": (False, "bf16"), "fp8-baseline": (False, "fp8"), "fp4-bf16": (True, "bf16"), "fp4-fp8": (True, "fp8")}
+# name: (FP4 dispatch, experts, recompute_modules ["moe"], recompute cache)
+LAYERS = {
+    "stock": (False, "bf16", False, False), "fp8-baseline": (False, "fp8", False, False),
+    "fp4-bf16": (True, "bf16", False, False), "fp4-fp8": (True, "fp8", False, False),
+    "fp4-bf16-recompute": (True, "bf16", True, False), "fp4-bf16-cache": (True, "bf16", True, True),
+    "fp4-fp8-recompute": (True, "fp8", True, False), "fp4-fp8-cache": (True, "fp8", True, True),
+}
 
 
 def main(argv=None) -> int:
@@ -50,8 +60,10 @@ def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool)
     from megatron_fp4.dispatch import FP4DispatchOptions
     from megatron_fp4.integration.standalone import build_moe_layer
 
-    fp4, experts = LAYERS[layer_name]
-    layer = build_moe_layer(moe_config(args, world), FP4DispatchOptions() if fp4 else None, experts=experts).cuda()
+    fp4, experts, recompute, cache = LAYERS[layer_name]
+    config = moe_config(args, world, **({"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+                                        if recompute else {}))
+    layer = build_moe_layer(config, FP4DispatchOptions(cache=cache) if fp4 else None, experts=experts).cuda()
     g = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=g).bfloat16()
     grad = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
