@@ -331,8 +331,11 @@ class _PipelineStage(torch.nn.Module):
     """One checkpointed MoE layer as a pipeline stage of Megatron's schedule."""
 
     def __init__(self, layer, config):
+        from megatron.core.enums import ModelType
+
         super().__init__()
         self.layer, self.config, self.input_tensor = layer, config, None
+        self.model_type = ModelType.encoder_or_decoder  # the interleaved schedule reads it (get_model_type)
 
     def set_input_tensor(self, tensor):
         self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor
