@@ -496,6 +496,11 @@ def _run_on_two_gpus(make_checks, timeout_s: int) -> None:
                     break
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:  # a rank died or raised outside a check
             problem = str(error)
+    fail_on_reports(failures, problem)
+
+
+def fail_on_reports(failures, problem=None) -> None:
+    """Fail the test with `problem` and every message the ranks put in `failures`, if any."""
     found = [problem] if problem else []
     while not failures.empty():
         found.append(failures.get())
