@@ -47,10 +47,10 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             raise ValueError(f"the FP4 dispatcher needs the dispatched width (hidden or MoE latent size) divisible by "
                              f"{FP8_BLOCK}, got {dispatched_width}")
         self.fp4_options = options if options is not None else FP4DispatchOptions()
-        # With --moe-fp4-cache: the recompute cache, and the micro-batch the layer is running (set by
-        # FP4MoELayer when its forward is checkpointed; None otherwise, and then nothing is cached).
         if self.fp4_options.cache and config.moe_expert_capacity_factor is not None:
             raise ValueError(CACHE_WITH_CAPACITY)
+        # With --moe-fp4-cache: the recompute cache, and the micro-batch the layer is running (set by
+        # FP4MoELayer when its forward is checkpointed; None otherwise, and then nothing is cached).
         self.recompute_cache = DispatchCache(f"MoE experts {local_expert_indices[0]}..") if self.fp4_options.cache else None
         self.micro_batch_key = None
         self.layer_names_micro_batches = False  # FP4MoELayer sets it (and hooks the experts); a patched MoELayer does not
