@@ -51,19 +51,7 @@ def parse_args(argv, description=__doc__, experts_table=True, parse=True):
 
 def slowest_median_ms(fn, iters: int, warmup: int) -> float:
     """Median of per-iteration CUDA-event times on this rank, then the max over ranks."""
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    median = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median)
+    return interleaved_medians_ms({"fn": fn}, iters, warmup)["fn"]
 
 
 def interleaved_times_ms(fns: dict, iters: int, warmup: int) -> dict:
@@ -86,7 +74,8 @@ def interleaved_times_ms(fns: dict, iters: int, warmup: int) -> dict:
 
 
 def interleaved_medians_ms(fns: dict, iters: int, warmup: int) -> dict:
-    """slowest_median_ms for several functions, timed in turns (interleaved_times_ms)."""
+    """Per function: the median of its per-round times on this rank (timed in turns,
+    interleaved_times_ms), then the max over ranks."""
     times = interleaved_times_ms(fns, iters, warmup)
     medians = torch.tensor([statistics.median(t) for t in times.values()], device="cuda")
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
