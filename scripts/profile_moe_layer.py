@@ -3,17 +3,21 @@
 more of the experts configurations of bench_moe_layer.py. Rank 0 prints, per configuration, the
 wall time per step next to the GPU kernel time summed (a large gap means the CPU cannot keep the GPU
 busy) and the kernels by total GPU time; with --host also the host syncs of one step (with the
-Python lines that caused them) and the CPU ops by self CPU time.
+Python lines that caused them) and the CPU ops by self CPU time; with --python the Python functions
+(and the C calls they make) by own host time, from cProfile (its overhead inflates every call alike).
 
     torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer stock,fp4-fp8 [--host]
     torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer fp4-fp8-recompute,fp4-fp8-cache
+    torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer fp4-fp8-cache --python
 
 Layers: see LAYERS (the *-recompute and *-cache ones checkpoint the layer with recompute_modules
 ["moe"], the latter with the FP4 recompute cache on).
 """
 
 import collections
+import cProfile
 import os
+import pstats
 import sys
 import time
 import traceback
@@ -34,9 +38,8 @@ LAYERS = {
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    host = "--host" in argv
-    if host:
-        argv.remove("--host")
+    host, python = "--host" in argv, "--python" in argv
+    argv = [a for a in argv if a not in ("--host", "--python")]
     layer_names = ["fp4-fp8"]
     if "--layer" in argv:
         i = argv.index("--layer")
@@ -50,13 +53,13 @@ def main(argv=None) -> int:
 
     rank, world, log = start_expert_parallel(args, f"profiling {', '.join(layer_names)}")
     for name in layer_names:
-        profile_layer(args, name, rank, world, log, host)
+        profile_layer(args, name, rank, world, log, host, python)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
 
 
-def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool) -> None:
+def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool, python: bool) -> None:
     from megatron_fp4.dispatch import FP4DispatchOptions
     from megatron_fp4.integration.standalone import build_moe_layer
 
@@ -90,6 +93,8 @@ def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool)
             log(f"{e.self_device_time_total / steps / 1000:8.3f} ms {e.count // steps:5d}x  {e.key[:110]}")
     if host:  # every rank runs the step (it communicates); rank 0 prints
         log_host_side(step, steps, log if rank == 0 else (lambda *_: None))
+    if python:
+        log_python_side(step, steps, log if rank == 0 else (lambda *_: None))
     del layer, step
     torch.cuda.empty_cache()
 
@@ -129,6 +134,22 @@ def log_host_side(step, steps: int, log) -> None:
     log("CPU ops by self CPU time per step:")
     for e in events[:25]:
         log(f"{e.self_cpu_time_total / steps / 1000:8.3f} ms {e.count // steps:5d}x  {e.key[:100]}")
+
+
+def log_python_side(step, steps: int, log, top: int = 30) -> None:
+    """Host time by Python function and C call (cProfile's own time, per step), to find what keeps
+    a host-bound step long."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:top]
+    log("Python by own host time per step (cProfile):")
+    for (filename, line, name), (_, calls, own, cumulative, _) in rows:
+        where = f"{os.path.basename(filename)}:{line} {name}" if line else name
+        log(f"{own / steps * 1000:8.3f} ms own {cumulative / steps * 1000:8.3f} ms cum {calls // steps:5d}x  {where[:90]}")
 
 
 if __name__ == "__main__":
