@@ -344,6 +344,27 @@ def test_rows_segment_pads_m_to_a_multiple_of_4(device):
     assert scale_a.shape == (8, 1) and scale_a.stride() == (1, 8)
 
 
+def test_rows_segments_share_one_scale_buffer_without_overlap(device):
+    """All experts' segments at once (one allocation): each segment's scales are its own columns,
+    laid out [K/128, M] with strides (1, M), and the last one is padded with a zero row of scale 1."""
+    from megatron_fp4.experts.gemm import rows_segments
+
+    t = ref.quantize_fp8_rows(torch.randn(23, 384, device=device))
+    bounds = [(0, 5), (5, 6), (6, 14), (14, 23)]  # M 5, 1, 8, 9 -> 8, 4, 8, 12 (the last runs past the end)
+    segments = rows_segments(t, bounds)
+    for (start, end), (a, scale_a) in zip(bounds, segments):
+        m = a.shape[0]
+        assert m % 4 == 0 and m - (end - start) < 4
+        assert scale_a.shape == (m, 3) and scale_a.stride() == (1, m)
+        kept = min(start + m, 23) - start
+        assert torch.equal(a[:kept].view(torch.uint8), t.data[start : start + kept].view(torch.uint8))
+        assert torch.equal(scale_a[:kept], t.block_scales[:, start : start + kept].t())
+    a, scale_a = segments[-1]
+    assert not a[9:].view(torch.uint8).any() and (scale_a[9:] == 1.0).all()
+    pointers = sorted((s.data_ptr(), s.data_ptr() + s.numel() * 4) for _, s in segments)
+    assert all(end <= start for (_, end), (start, _) in zip(pointers, pointers[1:]))
+
+
 def test_gemm_contract_is_checked_on_every_device(device):
     """The CPU emulation refuses what scaled_mm would: M not a multiple of 4, wrong scale strides."""
     from megatron_fp4.experts.gemm import gemm_by_weight, rows_segment

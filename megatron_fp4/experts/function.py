@@ -19,7 +19,7 @@ import torch
 
 from .. import kernels as K
 from ..tensors import FP8BlockWeight, MXFP4Tensor
-from .gemm import M_MULTIPLE, columns_segment, columns_segment_as_b, gemm_1x128, gemm_by_weight, rows_segment
+from .gemm import M_MULTIPLE, columns_segment, columns_segment_as_b, gemm_1x128, gemm_by_weight, rows_segments
 from .segments import ExpertSegments
 from .swiglu import swiglu_with_probs, swiglu_with_probs_backward
 
@@ -146,13 +146,14 @@ class FP8ExpertsFunction(torch.autograd.Function):
 def _products_by_weight(segments: ExpertSegments, rows, weights: List[Optional[FP8BlockWeight]], width: int,
                         dtype) -> torch.Tensor:
     """[tokens, width]: each expert segment's rows times its weight (128x128 blocks, [N, K]), each GEMM
-    writing straight into the result. A segment's M is padded to a multiple of 4 (rows_segment), so
+    writing straight into the result. A segment's M is padded to a multiple of 4 (rows_segments), so
     its last product rows spill into the next segment's, which the next expert overwrites (they
     run in order), or into the spare rows past the end."""
     buffer = torch.empty(segments.num_tokens + M_MULTIPLE - 1, width, dtype=dtype,
                          device=rows.data.device)
-    for expert, first, end, _, _ in segments.non_empty():
-        a, scale_a = rows_segment(rows, first, end)
+    busy = list(segments.non_empty())
+    operands = rows_segments(rows, [(first, end) for _, first, end, _, _ in busy])
+    for (expert, first, *_), (a, scale_a) in zip(busy, operands):
         gemm_by_weight(a, scale_a, weights[expert], dtype, out=buffer[first : first + a.shape[0]])
     return buffer[: segments.num_tokens]
 

@@ -25,19 +25,41 @@ from ..tensors import FP8BlockTensor, FP8BlockWeight
 M_MULTIPLE = 4
 
 
+def _padded_rows(start: int, end: int) -> int:
+    return -(-(end - start) // M_MULTIPLE) * M_MULTIPLE
+
+
 def rows_segment(t: FP8BlockTensor, start: int, end: int):
     """Rows [start, end) of a rowwise operand as (a, scale_a), M rounded up to a multiple of 4: the
     extra rows are the following tokens' (or zeros past the last token), and callers keep only the
     first end - start rows of the product. The scales are copied so that their leading stride is
     the segment's row count, as scaled_mm requires."""
-    padded_end = start + -(-(end - start) // M_MULTIPLE) * M_MULTIPLE
-    # A fresh [K/128, M] buffer: .contiguous() may keep an odd stride on a size-1 dimension (K = 128),
-    # which scaled_mm rejects.
-    scales = t.block_scales.new_ones(t.block_scales.shape[0], padded_end - start)
+    return rows_segments(t, [(start, end)])[0]
+
+
+def rows_segments(t: FP8BlockTensor, bounds):
+    """rows_segment for each (start, end) of `bounds`, the scale copies sharing one allocation
+    (one per expert cost the experts' host loop an allocation and a fill launch each)."""
+    groups = t.block_scales.shape[0]
+    sizes = [_padded_rows(start, end) for start, end in bounds]
+    # Each segment's [K/128, M] scales are a contiguous slice of one buffer: views, not .contiguous()
+    # copies, which may keep an odd stride on a size-1 dimension (K = 128) that scaled_mm rejects.
+    buffer = t.block_scales.new_empty(groups * sum(sizes))
+    segments, offset = [], 0
+    for (start, end), size in zip(bounds, sizes):
+        scales = buffer[offset : offset + groups * size].view(groups, size)
+        offset += groups * size
+        segments.append(_segment_into(t, start, end, scales))
+    return segments
+
+
+def _segment_into(t: FP8BlockTensor, start: int, end: int, scales: torch.Tensor):
+    padded_end = start + scales.shape[1]
     if padded_end <= t.data.shape[0]:
         scales.copy_(t.block_scales[:, start:padded_end])
         return t.data[start:padded_end], scales.t()
     scales[:, : end - start] = t.block_scales[:, start:end]
+    scales[:, end - start :] = 1.0
     pad = t.data.new_zeros(padded_end - end, t.data.shape[1]).view(torch.uint8)
     data = torch.cat([t.data[start:end].view(torch.uint8), pad]).view(torch.float8_e4m3fn)
     return data, scales.t()
