@@ -24,7 +24,6 @@ class FP4DispatchUnsupported(ValueError):
     """A configuration the FP4 dispatcher cannot serve."""
 
 
-
 def add_fp4_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("megatron_fp4", "MXFP4 token dispatch for MoE layers")
     group.add_argument(
