@@ -12,6 +12,7 @@
 # bench_moe_cache profile_fp4_fp8 profile_cache memcap_capped train_proxy; default all) to split the
 # work over two device calls,
 # e.g. CHECKS="bench_moe_cache profile_fp4_fp8 train_proxy" TRAIN_ITERS=200; TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
+# MEMCAP_CONFIGS (memcap_bf16_attn memcap_fp4_fp8_attn): the configs/proxy/ names run under their cap;
 # MEGATRON_WHEEL_DIR (.whl): megatron-core wheels installed to /tmp/site when not importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +53,8 @@ if ((GPUS >= 2)); then
 fi
 if ((GPUS == 2)); then
     # The memory-cap proxies under their 14 GiB cap: stock BF16 with attention recompute only is
-    # expected to stop with torch.OutOfMemoryError, FP4 dispatch with FP8 experts to train.
+    # expected to stop with torch.OutOfMemoryError, FP4 dispatch with FP8 experts to train
+    # (MEMCAP_CONFIGS adds the others; `megatron-fp4 estimate` says which should fit).
     memcap() {
         local config=$1
         RUN_DIR=runs/capped_$config python3 scripts/launch.py --enforce-memory-cap "configs/proxy/$config.yaml" \
@@ -61,7 +63,8 @@ if ((GPUS == 2)); then
         grep -E "capping|max allocated|OutOfMemoryError: CUDA" "runs/capped_$config.log" | cut -c1-240 | sed -n '1p;$p'
     }
     mkdir -p runs
-    step memcap_capped bash -c "$(declare -f memcap); memcap memcap_bf16_attn; memcap memcap_fp4_fp8_attn"
+    MEMCAP_CONFIGS=${MEMCAP_CONFIGS:-memcap_bf16_attn memcap_fp4_fp8_attn}
+    step memcap_capped bash -c "$(declare -f memcap); for c in $MEMCAP_CONFIGS; do memcap \$c; done"
 fi
 step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-60}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \
     --moe-fp4-experts fp8
