@@ -4,8 +4,9 @@ keeps between a layer's forward and its backward, read off Megatron-Core 0.19's 
 Conventions: T tokens per micro-batch on this GPU, h hidden size, model dtype bf16 (2 bytes).
 A tensor several consumers save is counted once; an FP8 GEMM keeps its own FP8 copy of its input
 (Transformer Engine saves the quantized input for the weight gradient), so under FP8 a LayerNorm
-output read by two GEMMs costs two FP8 copies, and an attention output kept in BF16 by the fused
-attention and in FP8 by the output projection costs both. Routed experts see k*T rows per GPU
+output read by two GEMMs costs two FP8 copies, unless Megatron tells the GEMM to keep the original
+BF16 tensor (`set_save_original_input`: the attention output projection, and the GEMMs after a
+recomputed LayerNorm). Routed experts see k*T rows per GPU
 (balanced routing: each GPU receives on average what it sends). Dropout is 0 in these configs, so
 no masks are kept.
 
@@ -52,6 +53,21 @@ def _core_attention(c: Ctx, heads: float, v_dim: int) -> dict:
     return {"attn_probs": probs * per, "attn_mask": s * s}
 
 
+def _output_projection_input(c: Ctx, attention: dict, features: float) -> dict:
+    """What the attention output projection saves of its input, if not a tensor already counted.
+
+    Its input is the core attention's output, which fused attention saves in BF16 itself. Under
+    FP8 with any scaling recipe but 'delayed', Megatron has the projection save that original BF16
+    tensor rather than its own FP8 copy (`set_save_original_input`; Transformer Engine >= 2.6,
+    which Megatron also requires for FP8 with `layernorm` recompute), so nothing is added then.
+    """
+    saves_original = not c.p.fp8 or (c.s.te and c.p.fp8_recipe != "delayed")
+    if saves_original and "attn_out_bf16" in attention:
+        return {}
+    bytes_per = c.p.model_bytes if saves_original else c.p.gemm_input_bytes
+    return {"proj_in": c.tokens * features * bytes_per}
+
+
 def standard_attention(c: Ctx) -> dict:
     s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
     heads, groups, d = s.heads / tp, s.query_groups / tp, s.head_dim
@@ -72,8 +88,7 @@ def standard_attention(c: Ctx) -> dict:
         if not repeat:
             out["k_rope"] = T * groups * d * mb
     out.update(_core_attention(c, heads, d))
-    if c.p.fp8 or "attn_out_bf16" not in out:  # the output projection's input, unless the same tensor
-        out["proj_in"] = T * heads * d * (c.p.gemm_input_bytes if c.p.fp8 else mb)
+    out.update(_output_projection_input(c, out, heads * d))
     return out
 
 
@@ -96,8 +111,7 @@ def mla_attention(c: Ctx) -> dict:
         out["k"] = T * heads * q_head * mb
         out["v"] = T * heads * s.v_head_dim * mb
     out.update(_core_attention(c, heads, s.v_head_dim))
-    if c.p.fp8 or "attn_out_bf16" not in out:  # the output projection's own copy
-        out["proj_in"] = T * heads * s.v_head_dim * (c.p.gemm_input_bytes if c.p.fp8 else mb)
+    out.update(_output_projection_input(c, out, heads * s.v_head_dim))
     return out
 
 

@@ -41,6 +41,7 @@ class Precision:
     model_bytes: int  # params / activations in the model dtype (bf16: 2)
     fp8: bool  # GEMMs in FP8 through Transformer Engine
     fp8_act_bytes: float  # bytes/element of an FP8 GEMM input saved for backward
+    fp8_recipe: str  # Transformer Engine's scaling recipe ("blockwise", "delayed", ...); unused without fp8
     fp8_weight_bytes: float  # bytes/element of one FP8 copy of a weight
     fp4_dispatch: bool  # the dispatch all-to-all carries MXFP4 rows
     fp4_experts: bool  # expert activations (dispatched tokens, SwiGLU input, fc2 input) kept in MXFP4
@@ -86,6 +87,7 @@ def precision_of(args, mode: str = "recipe") -> Precision:
         model_bytes=model_bytes,
         fp8=fp8,
         fp8_act_bytes=act,
+        fp8_recipe=recipe,
         fp8_weight_bytes=weight,
         fp4_dispatch=fp4,
         fp4_experts=fp4 and (mode == "recipe" or installed_experts),
