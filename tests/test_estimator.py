@@ -287,3 +287,17 @@ def test_fp8_output_projection_keeps_the_bf16_attention_output_it_shares():
     core_attn = estimate(DSV3 / "fp8_attn_ln_moe.yaml", overrides={"recompute_modules": ["core_attn"]})
     assert "moe.attn_out_bf16" not in core_attn.peak_rank.components
     assert core_attn.peak_rank.components["moe.proj_in"] == moe_layers * attention_output * 2
+
+
+def test_fp4_cache_memory_matches_the_measured_cost():
+    """memcap_fp4_fp8_attn.yaml with `moe` recompute, without and with --moe-fp4-cache, under the
+    14 GiB cap on 2 x H200 (3 iterations each, 2026-11-30): max allocated 10716.12 / 10924.61 MiB."""
+    measured_mib = {False: 10716.12, True: 10924.61}
+    peak = {}
+    for cache in (False, True):
+        overrides = {"recompute_modules": ["core_attn", "moe"], "moe_fp4_cache": cache}
+        peak[cache] = estimate(PROXY / "memcap_fp4_fp8_attn.yaml", "installed", overrides).peak_rank.peak
+        assert abs(peak[cache] - measured_mib[cache] * MIB) / (measured_mib[cache] * MIB) < 0.02
+    cache_cost = peak[True] - peak[False]
+    measured_cost = (measured_mib[True] - measured_mib[False]) * MIB
+    assert abs(cache_cost - measured_cost) / measured_cost < 0.05
