@@ -6,9 +6,8 @@ A tensor several consumers save is counted once; an FP8 GEMM keeps its own FP8 c
 (Transformer Engine saves the quantized input for the weight gradient), so under FP8 a LayerNorm
 output read by two GEMMs costs two FP8 copies, unless Megatron tells the GEMM to keep the original
 BF16 tensor (`set_save_original_input`: the attention output projection, and the GEMMs after a
-recomputed LayerNorm). Routed experts see k*T rows per GPU
-(balanced routing: each GPU receives on average what it sends). Dropout is 0 in these configs, so
-no masks are kept.
+recomputed LayerNorm). Routed experts see k*T rows per GPU (balanced routing: each GPU receives
+on average what it sends). Dropout is 0 in these configs, so no masks are kept.
 
 Each function returns {component: bytes}; `recompute` drops what Megatron recomputes.
 """
