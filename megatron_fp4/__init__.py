@@ -1,10 +1,10 @@
 """megatron_fp4: MXFP4 dispatch for Megatron-Core MoE layers on Hopper GPUs.
 
 Formats and numerics: DESIGN.md §3-§4. `megatron_fp4.reference` defines every operation in plain
-PyTorch; the Triton kernels below compute the same bytes.
+PyTorch; the Triton kernels below compute the same bytes. It is the tests' oracle, not part of the
+production path: import it explicitly (`from megatron_fp4 import reference`).
 """
 
-from . import reference
 from .kernels import (
     dequantize_fp8,
     dequantize_mxfp4,
@@ -33,5 +33,4 @@ __all__ = [
     "quantize_fp8_weight",
     "quantize_fp8_weights",
     "quantize_mxfp4",
-    "reference",
 ]

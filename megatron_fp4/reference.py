@@ -21,6 +21,7 @@ from .formats import (
     MXFP4_BLOCK,
     check_scale_rule,
 )
+from .layout import colwise_capacity, padded_segment_offsets
 from .tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8BlockWeight, MXFP4Tensor, padded_scale_columns
 
 # log2 of the fp32 FP8 scale offset: scale = 2^(S - 127 - 6) for a group whose largest byte is S.
@@ -145,18 +146,6 @@ def mxfp4_to_fp8_rows(q: MXFP4Tensor) -> FP8BlockTensor:
     )
     block_scales = _fp8_group_scale(group_max).t().contiguous()
     return FP8BlockTensor(data, block_scales, ROWWISE)
-
-
-def colwise_capacity(num_tokens: int, num_experts: int) -> int:
-    """Columns of a colwise operand: enough for every expert's segment rounded up to 128 tokens,
-    known without reading the per-expert counts (sum ceil128(n_e) <= T + 127 E)."""
-    return (num_tokens + (FP8_BLOCK - 1) * num_experts) // FP8_BLOCK * FP8_BLOCK
-
-
-def padded_segment_offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """int64 [E + 1]: start of each expert's 128-aligned segment in a colwise operand."""
-    padded = (tokens_per_expert.long() + FP8_BLOCK - 1) // FP8_BLOCK * FP8_BLOCK
-    return torch.nn.functional.pad(torch.cumsum(padded, 0), (1, 0))
 
 
 def _ragged_layout(num_tokens: int, tokens_per_expert, capacity: Optional[int]):

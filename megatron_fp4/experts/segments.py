@@ -6,7 +6,7 @@ from typing import Iterator, List, Tuple
 
 import torch
 
-from ..reference import padded_segment_offsets
+from ..layout import padded_segment_offsets
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Expert e's tokens are rows [sum(n_<e), sum(n_<=e)) of the input; in X^T they start at column
 offset_e, a multiple of 128 (each segment padded to whole 128-token FP8 blocks). The counts stay on
 the device: every program derives the layout itself (E is small), so there is no extra launch and
-no host sync, and the output is sized for the worst case (`reference.colwise_capacity`).
+no host sync, and the output is sized for the worst case (`layout.colwise_capacity`).
 """
 
 import torch
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_BLOCK
-from ..reference import colwise_capacity
+from ..layout import colwise_capacity
 
 
 @triton.jit
