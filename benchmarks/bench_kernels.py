@@ -5,10 +5,12 @@ For each size and kernel: median time (triton.testing.do_bench, which flushes L2
 call), effective GB/s counting every input read once and every output written once, that as a
 share of a device-to-device copy measured in this process, and the speedup over the reference
 implementation (plain torch ops) compiled with torch.compile. Inputs are random, never zeros,
-and rotate among enough buffers to exceed L2 several times over.
+and rotate among enough buffers to exceed L2 several times over. Appends one "bandwidth" row per
+kernel and size (reference: the copy) and one "time" row where the compiled baseline ran
+(reference: its time) to benchmarks/results/bench_kernels.jsonl.
 
-    python scripts/bench_kernels.py                 # the full table
-    python scripts/bench_kernels.py --sweep         # also try tile configs at 16384 x 7168
+    python -m benchmarks.bench_kernels                 # the full table
+    python -m benchmarks.bench_kernels --sweep         # also try tile configs at 16384 x 7168
 """
 
 import argparse
@@ -26,13 +28,12 @@ import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
 from megatron_fp4.formats import FP8_BLOCK, mxfp4_wire_bytes_per_row
 from megatron_fp4.kernels import TileConfig
-from run_info import run_description
+from benchmarks.rows import Recorder
 
 ROTATE_BYTES = 1 << 30  # inputs rotate over at least 1 GiB (H200 L2: 60 MB)
 SIZES = [(4096, 7168), (16384, 7168), (65536, 7168), (4096, 2048), (16384, 2048), (65536, 2048)]
 EXPERTS = 32
-BARS = {"quantize_mxfp4": 85, "dequantize_mxfp4": 85, "mxfp4_to_fp8_rows": 85, "mxfp4_to_fp8_cols": 70,
-        "mxfp4_to_fp8_cols_ragged": 65}
+COPY = "device-to-device copy (read + write)"
 
 
 @dataclass
@@ -199,13 +200,14 @@ def main(argv=None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the torch.compile baselines")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("bench_kernels needs a CUDA GPU", file=sys.stderr)
         return 2
+    recorder = Recorder("bench_kernels", gpus=1, experts=EXPERTS)
     sizes = SIZES if args.sizes is None else [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
 
     ceilings = memory_ceilings()
     copy_bw = ceilings["copy"]
-    print(run_description())
+    print(recorder.description())
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write); read only {ceilings['read'] / 1e9:.0f} "
           f"GB/s; write only {ceilings['write'] / 1e9:.0f} GB/s")
     only = None if args.sweep in (None, "all") else args.sweep.split(",")
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
     if best:
         print("best configs:", {k: (c.block_rows, c.block_cols, c.num_warps) for k, c in best.items()})
 
-    header = f"{'kernel':28s} {'tokens x hidden':>16s} {'ms':>8s} {'GB/s':>7s} {'% copy':>7s} {'bar':>5s} {'vs compile':>10s}"
+    header = f"{'kernel':28s} {'tokens x hidden':>16s} {'ms':>8s} {'GB/s':>7s} {'% copy':>7s} {'vs compile':>10s}"
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for tokens, hidden in sizes:
@@ -224,28 +226,34 @@ def main(argv=None) -> int:
             ms = median_ms(lambda i: case.run(i, cfg), inputs)
             gbps = case.bytes_moved(tokens, hidden) / (ms * 1e-3) / 1e9
             pct = 100 * gbps * 1e9 / copy_bw
+            shape = {"tokens": tokens, "hidden": hidden, "config": _config_fields(cfg)}
+            recorder.add(case.name, "bandwidth", gbps, "GB/s", COPY, copy_bw / 1e9, ms=ms, **shape)
             speedup = "n/a"
             if not args.no_baseline and case.baseline is not None:
                 try:
                     base_ms = median_ms(case.baseline, inputs[:2])
                     speedup = f"{base_ms / ms:.1f}x"
+                    recorder.add(case.name, "time", ms, "ms", "reference under torch.compile", base_ms, **shape)
                 except Exception as exc:  # a baseline that does not compile is reported, not hidden
                     speedup = f"fail:{type(exc).__name__}"
-            bar = BARS.get(case.name)
-            bar_text = "" if bar is None or (tokens, hidden) != (16384, 7168) else (
-                f"{'ok' if pct >= bar else 'MISS'}")
             rows.append(f"{case.name:28s} {f'{tokens} x {hidden}':>16s} {ms:8.3f} {gbps:7.0f} {pct:6.1f}% "
-                        f"{bar_text:>5s} {speedup:>10s}")
+                        f"{speedup:>10s}")
             print(rows[-1] + f"   ({time.time() - started:.0f} s)", flush=True)
             del inputs
             torch.cuda.empty_cache()
-    print("\n" + run_description())
+    print("\n" + recorder.description())
     print(f"copy ceiling {copy_bw / 1e9:.0f} GB/s (read only {ceilings['read'] / 1e9:.0f}, write only "
-          f"{ceilings['write'] / 1e9:.0f}); bars at 16384 x 7168 ({EXPERTS} experts for cols, a quarter empty "
-          f"in the ragged case; cols timed with check_counts=False, the dispatcher's call)")
+          f"{ceilings['write'] / 1e9:.0f}); {EXPERTS} experts for cols, a quarter empty in the ragged case; "
+          f"cols timed with check_counts=False, the dispatcher's call")
     print(header)
     print("\n".join(rows))
+    recorder.write()
     return 0
+
+
+def _config_fields(cfg: Optional[TileConfig]) -> Optional[List[int]]:
+    """A swept tile config as [block_rows, block_cols, num_warps]; None for the kernel's default."""
+    return None if cfg is None else [cfg.block_rows, cfg.block_cols, cfg.num_warps]
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Everything this repo checks on GPUs, in one go (a device session is short; about 9 minutes on
 # 2 x H200): the GPU-marked tests plus the device-agnostic kernel and FP8-experts tests on CUDA,
-# the kernel benchmark at the bars' size, the MoE layer benchmark (issue 3's table and issue 4's
-# four rows), the recompute-cache benchmark, a per-kernel profile of the FP4 + FP8-experts layer,
-# and a proxy training run with FP8 experts through the README's command. Prints a short summary.
+# the kernel benchmark at 16384 x 7168, the MoE layer benchmark (stock vs FP4 dispatch and the four
+# expert configurations), the recompute-cache benchmark, a per-kernel profile of the FP4 +
+# FP8-experts layer, and a proxy training run with FP8 experts through the README's command.
+# Prints a short summary. The benchmarks append their rows to benchmarks/results/*.jsonl, or to
+# $MEGATRON_FP4_BENCH_RESULTS (on the device machine: a folder under $OUT, so that they come back);
+# set MEGATRON_FP4_COMMIT there too (the device copy has no git history).
 # (The whole CPU suite also runs on a GPU machine, but takes several minutes more and some of it,
 # e.g. the patch tests, downloads from the registry, which the device machines cannot reach.)
 #
-#   scripts/gpu_checks.sh                  # on a machine with 1+ GPUs
+#   benchmarks/gpu_checks.sh               # on a machine with 1+ GPUs, from anywhere
 # Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_moe_layer
 # bench_moe_cache profile_fp4_fp8 profile_cache memcap_capped train_proxy; default all) to split the
 # work over two device calls,
@@ -40,15 +43,15 @@ step() {  # step NAME command...: run, time, remember the exit status (only the 
 step tests python3 -m pytest -q -p no:warnings -rA -s -m gpu tests
 step experts_tests python3 -m pytest -q -p no:warnings -s tests/test_fp8_experts.py tests/test_weight_quantizer.py \
     tests/test_swiglu.py tests/test_kernels.py
-step bench_kernels python3 scripts/bench_kernels.py --sizes 16384x7168 --no-baseline
+step bench_kernels python3 -m benchmarks.bench_kernels --sizes 16384x7168 --no-baseline
 if ((GPUS >= 2)); then
     EXPERTS=${BENCH_EXPERTS:-$((8 * GPUS))}
-    step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_layer.py --experts "$EXPERTS"
-    step bench_moe_cache torchrun --standalone --nproc-per-node "$GPUS" scripts/bench_moe_cache.py --experts "$EXPERTS"
-    step profile_fp4_fp8 torchrun --standalone --nproc-per-node "$GPUS" scripts/profile_moe_layer.py \
+    step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.bench_moe_layer --experts "$EXPERTS"
+    step bench_moe_cache torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.bench_moe_cache --experts "$EXPERTS"
+    step profile_fp4_fp8 torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.profile_moe_layer \
         --experts "$EXPERTS" --layer stock,fp4-fp8 --host
     # Why the cache saves little with FP8 experts: the checkpointed FP8 layer with and without it.
-    step profile_cache torchrun --standalone --nproc-per-node "$GPUS" scripts/profile_moe_layer.py \
+    step profile_cache torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.profile_moe_layer \
         --experts "$EXPERTS" --layer fp4-fp8-recompute,fp4-fp8-cache
 fi
 if ((GPUS == 2)); then

@@ -7,7 +7,7 @@ A memory-bound kernel on H200 has about 33 thread-instructions per nanosecond to
 per element (static count over elements per program; the kernels have no loops) so that a change
 can be judged before it costs device time.
 
-    python scripts/kernel_sass_stats.py [--dump DIR]
+    python -m benchmarks.kernel_sass_stats [--dump DIR]
 """
 
 import argparse

@@ -2,7 +2,7 @@
 """Run each kernel a few times at one size, for a profiler (Nsight Compute) to attach to:
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python scripts/profile_kernels.py --tokens 16384 --hidden 7168
+        python -m benchmarks.profile_kernels --tokens 16384 --hidden 7168
 """
 
 import argparse

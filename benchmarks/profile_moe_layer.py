@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """Where the MoE layer's forward+backward time goes, per GPU kernel (torch.profiler), for one or
-more of the experts configurations of bench_moe_layer.py. Rank 0 prints, per configuration, the
+more MoE layer configurations (LAYERS). Rank 0 prints, per configuration, the
 wall time per step next to the GPU kernel time summed (a large gap means the CPU cannot keep the GPU
 busy) and the kernels by total GPU time; with --host also the host syncs of one step (with the
 Python lines that caused them) and the CPU ops by self CPU time; with --python the Python functions
 (and the C calls they make) by own host time, from cProfile (its overhead inflates every call alike).
 
-    torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer stock,fp4-fp8 [--host]
-    torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer fp4-fp8-recompute,fp4-fp8-cache
-    torchrun --nproc-per-node 2 scripts/profile_moe_layer.py --experts 16 --layer fp4-fp8-cache --python
+    torchrun --nproc-per-node 2 -m benchmarks.profile_moe_layer --experts 16 --layer stock,fp4-fp8 [--host]
+    torchrun --nproc-per-node 2 -m benchmarks.profile_moe_layer --experts 16 --layer fp4-fp8-recompute,fp4-fp8-cache
+    torchrun --nproc-per-node 2 -m benchmarks.profile_moe_layer --experts 16 --layer fp4-fp8-cache --python
 
 Layers: see LAYERS (the *-recompute and *-cache ones checkpoint the layer with recompute_modules
-["moe"], the latter with the FP4 recompute cache on).
+["moe"], the latter with the FP4 recompute cache on). A profiler's printout, not benchmark rows:
+the numbers are for finding where time goes, not for quoting.
 """
 
 import collections
@@ -25,7 +26,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from bench_moe_layer import layer_step, moe_config, parse_args, start_expert_parallel
+
+from benchmarks.common import layer_options, layer_step, moe_config, random_tokens, start_expert_parallel
 
 # name: (FP4 dispatch, experts, recompute_modules ["moe"], recompute cache)
 LAYERS = {
@@ -37,21 +39,19 @@ LAYERS = {
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    host, python = "--host" in argv, "--python" in argv
-    argv = [a for a in argv if a not in ("--host", "--python")]
-    layer_names = ["fp4-fp8"]
-    if "--layer" in argv:
-        i = argv.index("--layer")
-        layer_names = argv[i + 1].split(",")
-        del argv[i : i + 2]
+    parser = layer_options(__doc__)
+    parser.add_argument("--layer", default="fp4-fp8", help=f"comma-separated, from {', '.join(LAYERS)}")
+    parser.add_argument("--host", action="store_true", help="also the host syncs and CPU ops of a step")
+    parser.add_argument("--python", action="store_true", help="also host time by Python function (cProfile)")
+    args = parser.parse_args(argv)
+    host, python = args.host, args.python
+    layer_names = args.layer.split(",")
     unknown = [name for name in layer_names if name not in LAYERS]
     if unknown:
         raise SystemExit(f"--layer takes a comma-separated list of {sorted(LAYERS)}, got {unknown}")
-    args = parse_args(argv, description=__doc__, experts_table=False)
     from megatron.core import parallel_state
 
-    rank, world, log = start_expert_parallel(args, f"profiling {', '.join(layer_names)}")
+    rank, world, log, _ = start_expert_parallel(args, "profile_moe_layer", f"profiling {', '.join(layer_names)}")
     for name in layer_names:
         profile_layer(args, name, rank, world, log, host, python)
     parallel_state.destroy_model_parallel()
@@ -67,9 +67,7 @@ def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool,
     config = moe_config(args, world, **({"recompute_granularity": "selective", "recompute_modules": ["moe"]}
                                         if recompute else {}))
     layer = build_moe_layer(config, FP4DispatchOptions(cache=cache) if fp4 else None, experts=experts).cuda()
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=g).bfloat16()
-    grad = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+    x, grad = random_tokens(args, rank)
     step = layer_step(layer, x, grad)
     for _ in range(args.warmup):
         step()
