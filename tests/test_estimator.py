@@ -1,5 +1,5 @@
 """CPU tests of megatron_fp4.estimator (`megatron-fp4 estimate`); how it builds its numbers:
-docs/scale.md. Measured numbers below come from Megatron's own memory log lines on H200s."""
+docs/estimator.md. Measured numbers below come from Megatron's own memory log lines on H200s."""
 
 import json
 from pathlib import Path
@@ -203,7 +203,7 @@ PAPER_GAP = ("with the public recipe's offload, layout and recompute lists the e
              "and FP8 peaks at the first scope (66.7% / 77.3% vs 68.3% / 74.2%) and has its fits/OOM split at the "
              "middle scope, but not the FP4 "
              "saving: FP4 saves ~21 GiB where MoE activations are kept, costs ~5 GiB under `moe` recompute (the "
-             "cached payload is extra), and FP4 does not fit at MLA-up-projection-only (docs/scale.md)")
+             "cached payload is extra), and FP4 does not fit at MLA-up-projection-only (docs/history/scale.md)")
 
 
 @pytest.mark.xfail(strict=True, reason=PAPER_GAP)

@@ -5,7 +5,7 @@
     e.peak_gib, e.fits, e.a2a.total
 
 `megatron-fp4 estimate CONFIG ...` prints the same as a table (cli.py). How the numbers are built:
-docs/scale.md.
+docs/estimator.md.
 """
 
 from .core import GIB, Estimate, estimate

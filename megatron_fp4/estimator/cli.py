@@ -37,7 +37,7 @@ moe_fp4_cache the received payload is kept for `moe` recompute).
 
 Not modeled: the caching allocator's reserve and fragmentation, NCCL and CUDA context memory,
 routing imbalance (experts assumed to receive k*T rows on average), and the code paths of Megatron
-options the configs here do not use. Assumptions and validation: docs/scale.md.
+options the configs here do not use. Assumptions and validation: docs/estimator.md.
 """
 
 

@@ -3,7 +3,7 @@
 Triton's interpreter runs the kernels' Python on a CPU but accepts code that the compiler refuses
 (globals, loop-carried shape changes, ...). Compiling for GPUTarget("cuda", 90) with Triton's own
 ptxas catches those on a CPU-only machine, and the SASS it yields shows what a kernel costs
-(scripts/kernel_sass_stats.py).
+(benchmarks/kernel_sass_stats.py).
 """
 
 from dataclasses import dataclass
