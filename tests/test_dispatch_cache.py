@@ -31,9 +31,9 @@ def test_keyed_per_micro_batch_and_freed_when_taken():
         cache.store(MicroBatchKey.of(x), entry)
     assert len(cache) == 3 and cache.nbytes() == 3 * entries[0].nbytes()
     # The recompute of micro-batch 1 comes first here (any order works), through a detached view.
-    assert cache.take(MicroBatchKey.of(inputs[1].detach()), (3, 2), (4, 1), HIDDEN) is entries[1]
-    assert cache.take(MicroBatchKey.of(inputs[0]), [3, 2], [4, 1], HIDDEN) is entries[0]
-    assert cache.take(MicroBatchKey.of(inputs[2]), (3, 2), (4, 1), HIDDEN) is entries[2]
+    assert cache.take(MicroBatchKey.of(inputs[1].detach())) is entries[1]
+    assert cache.take(MicroBatchKey.of(inputs[0])) is entries[0]
+    assert cache.take(MicroBatchKey.of(inputs[2])) is entries[2]
     assert len(cache) == 0 and cache.nbytes() == 0
 
 
@@ -59,13 +59,14 @@ def test_stale_missing_and_mismatched_entries_are_refused():
     with pytest.raises(DispatchCacheError, match="stale"):
         cache.store(MicroBatchKey.of(x), _entry(5))
     with pytest.raises(DispatchCacheError, match="no cached dispatch"):
-        cache.take(MicroBatchKey.of(torch.zeros(8, 2, HIDDEN)), (3, 2), (4, 1), HIDDEN)
+        cache.take(MicroBatchKey.of(torch.zeros(8, 2, HIDDEN)))
+    entry = cache.take(MicroBatchKey.of(x))
+    assert len(cache) == 0  # taken out before it is checked: a refused entry is never served later
+    entry.check([3, 2], [4, 1], HIDDEN)  # lists or tuples alike
     with pytest.raises(DispatchCacheError, match="does not match"):
-        cache.take(MicroBatchKey.of(x), (2, 3), (4, 1), HIDDEN)
-    assert len(cache) == 0  # a refused entry is dropped, never served later
-    cache.store(MicroBatchKey.of(x), _entry(5))
+        entry.check((2, 3), (4, 1), HIDDEN)
     with pytest.raises(DispatchCacheError, match="hidden"):
-        cache.take(MicroBatchKey.of(x), (3, 2), (4, 1), 2 * HIDDEN)
+        entry.check((3, 2), (4, 1), 2 * HIDDEN)
 
 
 def test_cache_holds_under_27_percent_of_the_bf16_tokens():
@@ -148,28 +149,25 @@ def test_replay_hands_on_the_recomputes_own_probs(one_rank_group):
     """Megatron's router sorts its top-k only with grad on, so a recompute can compute probs one BF16
     unit apart from its first pass: the replay must pass on this pass's probs (and their gradient),
     with the cached tokens."""
-    from megatron_fp4.dispatch.options import FP4DispatchOptions
     from megatron_fp4.dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
     from megatron_fp4.kernels import dequantize_mxfp4, quantize_mxfp4
+    from megatron_fp4.options import FP4Options
 
-    dispatcher = object.__new__(FP4AlltoAllTokenDispatcher)  # only what _replay_dispatch reads
-    dispatcher.recompute_cache = DispatchCache("layer 1")
-    dispatcher.fp4_options = FP4DispatchOptions(cache=True)
+    dispatcher = object.__new__(FP4AlltoAllTokenDispatcher)  # only what dispatch_fp4 reads
+    dispatcher.options = FP4Options(dispatch=True, cache=True)
     dispatcher.ep_group, dispatcher.use_nccl_stream = one_rank_group, False
     dispatcher.output_splits = dispatcher.input_splits = None
-    dispatcher.shared_experts, dispatcher.payload_for_experts, dispatcher._received_payload = None, False, None
-    layer_input = torch.zeros(3, 2, HIDDEN)
-    dispatcher.micro_batch_key = MicroBatchKey.of(layer_input)
+    dispatcher.shared_experts, dispatcher.tokens_per_expert, dispatcher.ep_size = None, None, 1
+    dispatcher._maybe_dtoh_and_synchronize = lambda point, tokens_per_expert: tokens_per_expert  # the parent's sync
     g = torch.Generator().manual_seed(7)
     tokens = (torch.randn(6, HIDDEN, generator=g) * 4).bfloat16()
     payload = quantize_mxfp4(tokens)
-    dispatcher.recompute_cache.store(dispatcher.micro_batch_key, CachedDispatch(payload, (6,), (6,)))
 
     recompute_probs = torch.rand(6, generator=g).requires_grad_(True)
-    received, received_probs = dispatcher._replay_dispatch(tokens.clone().requires_grad_(True), recompute_probs,
-                                                           [6], [6])
+    received, received_probs = dispatcher.dispatch_fp4(tokens.clone().requires_grad_(True), recompute_probs,
+                                                       dequantize=True, replay=CachedDispatch(payload, (6,), (6,)))
     assert torch.equal(received_probs, recompute_probs)
-    assert torch.equal(received.view(torch.int16), dequantize_mxfp4(payload).bfloat16().view(torch.int16))
+    assert received.payload is payload and (received.output_splits, received.input_splits) == ((6,), (6,))
+    assert torch.equal(received.tokens.view(torch.int16), dequantize_mxfp4(payload).bfloat16().view(torch.int16))
     (received_probs * torch.arange(6.0)).sum().backward()
     assert torch.equal(recompute_probs.grad, torch.arange(6.0))
-    assert len(dispatcher.recompute_cache) == 0

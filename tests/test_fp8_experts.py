@@ -19,6 +19,7 @@ from megatron_fp4 import reference as ref
 from megatron_fp4.experts import FP8Experts
 from megatron_fp4.formats import mxfp4_wire_bytes_per_row
 from megatron_fp4.integration.experts_spec import use_fp8_experts
+from megatron_fp4.options import FP4Options
 
 from experts_reference import fp8_experts_oracle
 
@@ -37,7 +38,7 @@ def _config(**overrides):
 
 
 def _experts_builder(kind: str):
-    spec = use_fp8_experts(get_gpt_layer_local_spec(num_experts=EXPERTS), kind)
+    spec = use_fp8_experts(get_gpt_layer_local_spec(num_experts=EXPERTS), FP4Options(experts=kind))
     return spec.submodules.mlp.keywords["submodules"].experts
 
 
@@ -78,12 +79,9 @@ def _run(experts, received, probs, grad, payload=None):
     experts.zero_grad(set_to_none=True)
     x = received.clone().requires_grad_(True)
     p = probs.clone().requires_grad_(True)
-    if payload is not None:
-        experts.payload_source = lambda: (x, payload)
-    out, bias = experts(x, torch.tensor(COUNTS), p)
+    out, bias = experts(x, torch.tensor(COUNTS), p, payload=payload)
     assert bias is None
     out.backward(grad)
-    experts.payload_source = None
     return out.detach(), x.grad, p.grad, experts
 
 
@@ -164,8 +162,6 @@ def test_saves_only_fp4_and_frees_it_after_backward(model_parallel, device):
     experts = _build(model_parallel, device)
     payload, probs, grad = _inputs(device)
     x = ref.dequantize_mxfp4(payload).requires_grad_(True)
-    handed_over = {"entry": (x, payload)}
-    experts.payload_source = lambda: handed_over.pop("entry")  # hands the payload over once, keeps nothing
     params = {id(p) for p in experts.parameters()}
     saved = []
 
@@ -175,7 +171,7 @@ def test_saves_only_fp4_and_frees_it_after_backward(model_parallel, device):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, _ = experts(x, torch.tensor(COUNTS), probs.clone().requires_grad_(True))
+        out, _ = experts(x, torch.tensor(COUNTS), probs.clone().requires_grad_(True), payload=payload)
     tokens = sum(COUNTS)
     expected = tokens * (mxfp4_wire_bytes_per_row(HIDDEN) + mxfp4_wire_bytes_per_row(2 * FFN)
                          + mxfp4_wire_bytes_per_row(FFN))
@@ -226,12 +222,14 @@ def test_checkpoint_keys_and_shapes_are_sequential_mlps(model_parallel, device):
 
 def test_spec_swap_and_switch_off():
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS)
-    assert use_fp8_experts(spec, "bf16") is spec
-    swapped = use_fp8_experts(spec, "fp8").submodules.mlp.keywords["submodules"].experts
+    assert use_fp8_experts(spec, FP4Options()) is spec
+    options = FP4Options(experts="fp8", scale_rule="floor")
+    swapped = use_fp8_experts(spec, options).submodules.mlp.keywords["submodules"].experts
     assert isinstance(swapped, functools.partial) and swapped.func is FP8Experts
+    assert swapped.keywords["options"] is options
     assert spec.submodules.mlp.keywords["submodules"].experts.func.__name__ == "SequentialMLP"
-    with pytest.raises(ValueError, match="experts must be one of"):
-        use_fp8_experts(spec, "fp4")
+    with pytest.raises(ValueError, match="fp4"):
+        FP4Options(experts="fp4")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -239,7 +237,7 @@ def test_spec_swap_and_switch_off():
     (dict(activation_func=F.gelu), "SwiGLU"),
     (dict(add_bias_linear=True), "bias"),
     (dict(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True), "apply-probs-on-input"),
-    (dict(moe_ffn_hidden_size=192), "moe_ffn_hidden_size divisible by 128"),
+    (dict(moe_ffn_hidden_size=192), "--moe-ffn-hidden-size divisible by 128"),
 ])
 def test_refusals(model_parallel, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -250,12 +248,10 @@ def test_refuses_a_payload_for_other_tokens(model_parallel, device):
     experts = _build(model_parallel, device)
     payload, probs, _ = _inputs(device)
     x = ref.dequantize_mxfp4(payload)
-    experts.payload_source = lambda: (x.clone(), payload)
-    with pytest.raises(RuntimeError, match="no payload for these tokens"):
-        experts(x, torch.tensor(COUNTS), probs)
-    experts.payload_source = lambda: (x, payload)
+    with pytest.raises(ValueError, match="does not match the tokens"):
+        experts(x[1:], torch.tensor(COUNTS), probs[1:], payload=payload)
     with pytest.raises(ValueError, match="does not describe"):
-        experts(x, torch.tensor([1, 2, 3, 4]), probs)
+        experts(x, torch.tensor([1, 2, 3, 4]), probs, payload=payload)
 
 
 @pytest.mark.gpu  # megatron.core.dist_checkpointing needs CUDA
@@ -294,9 +290,8 @@ def test_no_grad_forward_saves_nothing_and_gives_the_same_output(model_parallel,
     quantized = []
     real_quantize = K.quantize_mxfp4
     monkeypatch.setattr(K, "quantize_mxfp4", lambda *a, **k: quantized.append(a[0].shape) or real_quantize(*a, **k))
-    experts.payload_source = lambda: (received, payload)
     with torch.no_grad():
-        out, _ = experts(received, torch.tensor(COUNTS), probs)
+        out, _ = experts(received, torch.tensor(COUNTS), probs, payload=payload)
     assert out.grad_fn is None and torch.equal(out, with_grad)
     assert quantized == []  # nothing converted to MXFP4 for a backward that will not come
     # With grad: the SwiGLU input and the fc2 input are.

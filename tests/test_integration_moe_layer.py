@@ -11,7 +11,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_fp4.integration import FP4DispatchOptions, FP4MoELayer, use_fp4_dispatch
+from megatron_fp4.integration import FP4MoELayer, FP4Options, use_fp4, use_fp4_dispatch
+from megatron_fp4.options import ExpertsPrecision, GradFormat, ScaleRule
 
 
 def _block_spec():
@@ -28,7 +29,7 @@ def _mlp_builders(block):
 
 def test_block_spec_moe_layers_swapped_dense_kept_original_untouched():
     block = _block_spec()
-    options = FP4DispatchOptions(scale_rule="floor", grad_format="fp8")
+    options = FP4Options(dispatch=True, scale_rule="floor", dispatch_grad="fp8")
     swapped = use_fp4_dispatch(block, options)
 
     before, after = _mlp_builders(block), _mlp_builders(swapped)
@@ -45,23 +46,27 @@ def test_block_spec_moe_layers_swapped_dense_kept_original_untouched():
 
 
 def test_layer_spec_swapped():
-    spec = use_fp4_dispatch(get_gpt_layer_local_spec(num_experts=8), FP4DispatchOptions())
+    spec = use_fp4_dispatch(get_gpt_layer_local_spec(num_experts=8), FP4Options(dispatch=True))
     assert isinstance(spec.submodules.mlp, functools.partial)
     assert spec.submodules.mlp.func is FP4MoELayer
-    assert spec.submodules.mlp.keywords["fp4_options"] == FP4DispatchOptions("ceil", "bf16")
+    options = spec.submodules.mlp.keywords["fp4_options"]
+    assert (options.scale_rule, options.dispatch_grad) == (ScaleRule.CEIL, GradFormat.BF16)
 
 
 def test_switch_off_returns_the_same_spec_object():
     block = _block_spec()
-    assert use_fp4_dispatch(block, None) is block
     args = SimpleNamespace(moe_fp4_dispatch=False, moe_fp4_scale_rule="floor", moe_fp4_dispatch_grad="fp8")
-    assert FP4DispatchOptions.from_args(args) is None
+    assert use_fp4(block, FP4Options.from_args(args)) is block
+    assert use_fp4_dispatch(block, FP4Options(experts="fp8")) is block
 
 
-def test_options_from_args_and_validation():
-    args = SimpleNamespace(moe_fp4_dispatch=True, moe_fp4_scale_rule="floor", moe_fp4_dispatch_grad="fp8")
-    assert FP4DispatchOptions.from_args(args) == FP4DispatchOptions("floor", "fp8")
-    with pytest.raises(ValueError, match="scale_rule"):
-        FP4DispatchOptions(scale_rule="nearest")
-    with pytest.raises(ValueError, match="grad_format"):
-        FP4DispatchOptions(grad_format="fp16")
+def test_use_fp4_swaps_layer_and_experts_as_the_options_ask():
+    from megatron_fp4.experts import FP8Experts
+
+    block = _block_spec()
+    both = _mlp_builders(use_fp4(block, FP4Options(dispatch=True, experts=ExpertsPrecision.FP8)))
+    baseline = _mlp_builders(use_fp4(block, FP4Options(experts=ExpertsPrecision.FP8)))
+    for mlp in both[1:]:
+        assert mlp.func is FP4MoELayer and mlp.keywords["submodules"].experts.func is FP8Experts
+    for mlp in baseline[1:]:  # the FP8 baseline: stock layer and dispatch, our experts
+        assert mlp.func is MoELayer and mlp.keywords["submodules"].experts.func is FP8Experts

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import dequantize_fp8, dequantize_mxfp4, quantize_fp8_rows, quantize_mxfp4
-from ..formats import check_scale_rule
+from ..formats import FP8_BLOCK, check_scale_rule
 from ..tensors import MXFP4Tensor
-from .options import GRAD_FORMATS
+from ..options import GradFormat
 from .wire import pack_fp8_rows, unpack_fp8_rows
 
 
@@ -60,12 +60,12 @@ class _FP4DispatchAllToAll(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None, None, None, None
 
 
-def send_gradient_back(grad_output: torch.Tensor, splits, group, grad_format: str) -> torch.Tensor:
+def send_gradient_back(grad_output: torch.Tensor, splits, group, grad_format: GradFormat) -> torch.Tensor:
     """The received tokens' gradient back to their senders (splits = the forward's (output, input)),
     unquantized ("bf16": in the gradient's own dtype, BF16 in BF16 training) or FP8 1x128 rows on
     the wire; returns rows in the senders' token order."""
     output_splits, input_splits = splits
-    if grad_format == "bf16":
+    if grad_format == GradFormat.BF16:
         return all_to_all_rows(grad_output.contiguous(), input_splits, output_splits, group)
     wire = pack_fp8_rows(quantize_fp8_rows(grad_output.contiguous()))
     received = all_to_all_rows(wire, input_splits, output_splits, group)
@@ -78,7 +78,7 @@ def fp4_dispatch_all_to_all(
     input_splits: List[int],
     group: Optional[dist.ProcessGroup] = None,
     scale_rule: str = "ceil",
-    grad_format: str = "bf16",
+    grad_format: GradFormat = GradFormat.BF16,
     dequantize: bool = True,
 ) -> Tuple[torch.Tensor, MXFP4Tensor]:
     """Send tokens [T, H] (rows grouped by destination rank, input_splits rows each) in MXFP4.
@@ -89,15 +89,14 @@ def fp4_dispatch_all_to_all(
     experts that compute from the payload.
     Wire bytes per token: H/2 + H/32 forward; H * 2 (bf16) or H + H/32 (fp8) backward."""
     check_scale_rule(scale_rule)
-    if grad_format not in GRAD_FORMATS:
-        raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
+    grad_format = GradFormat(grad_format)
     if tokens.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"tokens must be bfloat16 or float32 (MXFP4 values can overflow float16), got {tokens.dtype}")
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [num_tokens, hidden], got shape {tuple(tokens.shape)}")
     if sum(input_splits) != tokens.shape[0]:
         raise ValueError(f"input_splits sum to {sum(input_splits)}, tokens has {tokens.shape[0]} rows")
-    if grad_format == "fp8" and tokens.shape[1] % 128:
+    if grad_format == GradFormat.FP8 and tokens.shape[1] % FP8_BLOCK:
         raise ValueError(f"the fp8 gradient format needs hidden divisible by 128, got {tokens.shape[1]}")
     group = group if group is not None else dist.group.WORLD
     received, rows = _FP4DispatchAllToAll.apply(
@@ -107,4 +106,4 @@ def fp4_dispatch_all_to_all(
     return received, MXFP4Tensor(rows, tokens.shape[1], scale_rule)
 
 
-__all__ = ["GRAD_FORMATS", "all_to_all_rows", "fp4_dispatch_all_to_all", "received_tokens", "send_gradient_back"]
+__all__ = ["all_to_all_rows", "fp4_dispatch_all_to_all", "received_tokens", "send_gradient_back"]

@@ -1,5 +1,5 @@
 """The recompute cache: what a checkpointed MoE layer's first (no-grad) pass received through the
-FP4 dispatch, kept for its recompute pass so that the dispatch is not sent twice (issue 5).
+FP4 dispatch, kept for its recompute pass so that the dispatch is not sent twice.
 
 One cache per MoE layer. An entry is keyed by the micro-batch: the storage object (StorageImpl),
 offset and shape of the layer's input, which Megatron's checkpoint keeps alive between the two
@@ -40,7 +40,7 @@ class MicroBatchKey:
 class CachedDispatch:
     """What the first pass received: the MXFP4 payload and the splits it was sent with (the
     recompute recomputes the splits and must find the same). Not the routing probs: the recompute
-    sends its own (see FP4AlltoAllTokenDispatcher._replay_dispatch)."""
+    sends its own (see FP4AlltoAllTokenDispatcher.dispatch_fp4)."""
 
     payload: MXFP4Tensor
     output_splits: tuple
@@ -48,6 +48,15 @@ class CachedDispatch:
 
     def nbytes(self) -> int:
         return self.payload.rows.numel() * self.payload.rows.element_size()
+
+    def check(self, output_splits, input_splits, hidden: int) -> None:
+        """Raise unless the recompute routes the same way (splits, width) as the cached pass."""
+        splits = (tuple(output_splits), tuple(input_splits))
+        if (self.output_splits, self.input_splits) != splits or self.payload.hidden != hidden:
+            raise DispatchCacheError(
+                f"the cached dispatch does not match the recompute (splits {(self.output_splits, self.input_splits)} "
+                f"vs {splits}, hidden {self.payload.hidden} vs {hidden}): routing changed between the passes"
+            )
 
 
 class DispatchCache:
@@ -69,19 +78,12 @@ class DispatchCache:
             )
         self._entries[key] = entry
 
-    def take(self, key: MicroBatchKey, output_splits, input_splits, hidden: int) -> CachedDispatch:
+    def take(self, key: MicroBatchKey) -> CachedDispatch:
         entry = self._entries.pop(key, None)
         if entry is None:
             raise DispatchCacheError(
                 f"{self.name}: no cached dispatch for this micro-batch ({key}); {len(self)} other(s) cached. "
                 "The recompute pass did not see the input its first pass saw."
-            )
-        splits = (tuple(output_splits), tuple(input_splits))
-        if (entry.output_splits, entry.input_splits) != splits or entry.payload.hidden != hidden:
-            raise DispatchCacheError(
-                f"{self.name}: the cached dispatch does not match the recompute (splits "
-                f"{(entry.output_splits, entry.input_splits)} vs {splits}, hidden {entry.payload.hidden} vs "
-                f"{hidden}): routing changed between the passes"
             )
         return entry
 

@@ -21,7 +21,7 @@ class _ReplayTokens(torch.autograd.Function):
 
 
 def replay_tokens(tokens: torch.Tensor, cached: MXFP4Tensor, output_splits, input_splits, group,
-                  grad_format: str, dequantize: bool = True) -> torch.Tensor:
+                  grad_format, dequantize: bool = True) -> torch.Tensor:
     """tokens: this pass's permuted tokens (only their gradient path is used). dequantize as in
     fp4_dispatch_all_to_all."""
     splits = (list(output_splits), list(input_splits))

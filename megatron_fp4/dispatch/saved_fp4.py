@@ -1,4 +1,4 @@
-"""Keep the experts' saved input in FP4 (issue 5, part 2).
+"""Keep the experts' saved input in FP4 (--moe-fp4-saved-input).
 
 Megatron's own experts (SequentialMLP) save their fc1 input for backward: row slices of the
 dispatched tokens, which are the exact BF16 dequantization of the received MXFP4 payload. Under

@@ -8,12 +8,8 @@ scales' bytes.
 
 import torch
 
-from ..formats import FP8_BLOCK
+from ..formats import fp8_wire_bytes_per_row
 from ..tensors import ROWWISE, FP8BlockTensor
-
-
-def fp8_wire_bytes_per_row(hidden: int) -> int:
-    return hidden + 4 * (hidden // FP8_BLOCK)
 
 
 def pack_fp8_rows(t: FP8BlockTensor) -> torch.Tensor:

@@ -1,18 +1,17 @@
-"""Glue between megatron_fp4 and Megatron-Core / Megatron training (issue 3)."""
+"""Glue between megatron_fp4 and Megatron-Core: the layer-spec swap and the MoE layer.
 
-from ..dispatch.options import FP4DispatchOptions
-from .args import FP4DispatchUnsupported, add_fp4_args, check_fp4_dispatch_supported
-from .experts_spec import EXPERTS_CHOICES, use_fp8_experts
+`use_fp4(spec, options)` is the one call a training script needs (see megatron_fp4.launch).
+"""
+
+from ..options import FP4Options
+from .experts_spec import use_fp8_experts
 from .moe_layer import FP4MoELayer, count_fp4_moe_layers, use_fp4_dispatch
 
-__all__ = [
-    "EXPERTS_CHOICES",
-    "FP4DispatchOptions",
-    "FP4DispatchUnsupported",
-    "FP4MoELayer",
-    "add_fp4_args",
-    "check_fp4_dispatch_supported",
-    "count_fp4_moe_layers",
-    "use_fp4_dispatch",
-    "use_fp8_experts",
-]
+
+def use_fp4(spec, options: FP4Options):
+    """`spec` (a layer, block or MTP block spec) as `options` ask: MoE layers dispatching in MXFP4
+    (options.dispatch) and their experts in FP8 (options.experts); the same object when stock."""
+    return use_fp8_experts(use_fp4_dispatch(spec, options), options)
+
+
+__all__ = ["FP4MoELayer", "FP4Options", "count_fp4_moe_layers", "use_fp4", "use_fp4_dispatch", "use_fp8_experts"]

@@ -8,31 +8,30 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
 from ..experts import FP8Experts
+from ..options import ExpertsPrecision, FP4Options
 from .spec_tree import rewrite_spec
 
-EXPERTS_CHOICES = ("bf16", "fp8")
 
-
-def fp8_experts_builder():
+def fp8_experts_builder(options: FP4Options):
     return functools.partial(
-        FP8Experts, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        FP8Experts, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        options=options,
     )
 
 
-def _swap_experts(node):
-    if isinstance(node, MoESubmodules):
-        node.experts = fp8_experts_builder()
-    return node
-
-
-def use_fp8_experts(spec, experts: str = "fp8"):
-    """`spec` with every MoE layer's experts built as FP8Experts when experts == "fp8"; the same
-    object for "bf16" (Megatron's own experts)."""
-    if experts not in EXPERTS_CHOICES:
-        raise ValueError(f"experts must be one of {EXPERTS_CHOICES}, got {experts!r}")
-    if experts == "bf16" or spec is None:
+def use_fp8_experts(spec, options: FP4Options):
+    """`spec` with every MoE layer's experts built as FP8Experts when options.experts is fp8;
+    otherwise the same object (Megatron's own experts)."""
+    if options.experts is not ExpertsPrecision.FP8 or spec is None:
         return spec
-    return rewrite_spec(spec, _swap_experts)
+    builder = fp8_experts_builder(options)
+
+    def swap_experts(node):
+        if isinstance(node, MoESubmodules):
+            node.experts = builder
+        return node
+
+    return rewrite_spec(spec, swap_experts)
 
 
-__all__ = ["EXPERTS_CHOICES", "fp8_experts_builder", "use_fp8_experts"]
+__all__ = ["fp8_experts_builder", "use_fp8_experts"]

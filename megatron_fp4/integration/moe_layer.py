@@ -1,110 +1,121 @@
-"""Registration: a MoELayer subclass that dispatches in FP4, injected through the layer spec.
+"""FP4MoELayer: Megatron's MoELayer whose all-to-all dispatch travels in MXFP4.
 
-`use_fp4_dispatch(spec, options)` returns a copy of a GPT layer/block/MTP spec in which every
-`MoELayer` is `FP4MoELayer` with `fp4_options=options`. Nothing in megatron-core is edited or
-patched; with options None the spec comes back untouched and the model is stock Megatron.
+The protocol, and the Megatron call order it relies on. MoELayer.forward (megatron-core 0.18-0.19,
+its inner `custom_forward`) runs, each step handed the previous step's result directly:
+
+    route(hidden) -> preprocess(hidden, probs, routing_map) -> dispatch(tokens, probs)
+        -> routed_experts_compute(dispatched, probs) -> combine(output) -> postprocess(output, shared)
+
+With `moe` recompute the whole sequence runs twice: a first pass under no_grad inside Megatron's
+checkpoint and the recompute with grad on. This layer overrides the three middle steps and passes
+one value along them in the tokens' place, `LayerForward`: preprocess creates it (the permuted
+tokens and, with --moe-fp4-cache, the micro-batch and the cache's role in this pass), dispatch
+adds what the all-to-all delivered (`ReceivedTokens`: BF16 tokens and the MXFP4 payload), and
+routed_experts_compute hands the payload to the experts as an argument. Nothing is set on one
+object for another to read. A Megatron that put work between these steps would meet a
+LayerForward where it expects a tensor and fail at once; tests/integration pins the order.
+Megatron's split schedule (--overlap-moe-expert-parallel-comm) calls the steps itself and CUDA
+graphs capture them: both are refused by megatron_fp4.options.
 """
 
+import dataclasses
+import enum
 import functools
-
-import torch
 from typing import Optional
 
+import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..dispatch.cache import MicroBatchKey
-from ..dispatch.options import FP4DispatchOptions
+from ..dispatch.cache import DispatchCache, MicroBatchKey
 from ..dispatch.saved_fp4 import FP4SavedRows
-from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
+from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher, ReceivedTokens
 from ..experts import FP8Experts
+from ..options import ExpertsPrecision, FP4Options, Route
 from .spec_tree import rewrite_spec
 
 
-class FP4MoELayer(MoELayer):
-    """Megatron's MoELayer whose all-to-all dispatcher sends tokens in MXFP4. Everything else
-    (router, experts, shared experts, combine, recompute) is the parent's."""
+class CacheRole(enum.Enum):
+    NONE = "none"  # not a checkpointed training pass: dispatch as usual
+    RECORD = "record"  # a checkpointed layer's first (no-grad) pass: keep what arrives
+    REPLAY = "replay"  # its recompute: take the first pass's tokens instead of sending them
 
-    def __init__(self, config, *args, fp4_options: Optional[FP4DispatchOptions] = None, **kwargs):
-        if config.moe_token_dispatcher_type != "alltoall":
-            raise ValueError(
-                "FP4 dispatch needs moe_token_dispatcher_type 'alltoall' "
-                f"(got {config.moe_token_dispatcher_type!r}): it replaces that dispatcher's all-to-all"
-            )
-        if config.transformer_impl == "inference_optimized":
-            raise ValueError("FP4 dispatch is for training; transformer_impl 'inference_optimized' is not supported")
+
+@dataclasses.dataclass(frozen=True)
+class LayerForward:
+    """One pass of one FP4MoELayer, from preprocess to the experts."""
+
+    tokens: torch.Tensor  # permuted tokens, grouped by destination rank
+    cache_role: CacheRole = CacheRole.NONE
+    micro_batch: Optional[MicroBatchKey] = None
+    received: Optional[ReceivedTokens] = None  # set by dispatch
+
+
+class FP4MoELayer(MoELayer):
+    """Router, experts, shared experts, combine and recompute stay the parent's."""
+
+    def __init__(self, config, *args, fp4_options: FP4Options, **kwargs):
         super().__init__(config, *args, **kwargs)
-        pg_collection = kwargs.get("pg_collection")
-        if pg_collection is None:
-            pg_collection = get_default_pg_collection()
-        # The parent built a stock dispatcher (a few small index tensors); replace it by ours.
+        pg_collection = kwargs.get("pg_collection") or get_default_pg_collection()
+        # The parent built a stock dispatcher (a few small index tensors); replace it by ours,
+        # which validates the configuration against the options table.
         self.token_dispatcher = FP4AlltoAllTokenDispatcher(
-            self.num_local_experts,
-            self.local_expert_indices,
-            config=self.config,
-            pg_collection=pg_collection,
-            options=fp4_options,
+            self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection,
+            options=fp4_options, route=Route.PLUGIN,
         )
-        self.token_dispatcher.layer_names_micro_batches = True  # see route()
-        if isinstance(self.experts, FP8Experts):
-            self._feed_fp8_experts_from_payload(config, self.token_dispatcher.fp4_options)
         if self.shared_experts is not None and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
+        self.options = fp4_options
+        self.recompute_cache = (
+            DispatchCache(f"MoE layer, experts {self.local_expert_indices[0]}..") if fp4_options.cache else None
+        )
 
-    def _feed_fp8_experts_from_payload(self, config, options: FP4DispatchOptions) -> None:
-        """The FP8 experts read the received MXFP4 payload, sorted like their input, instead of BF16."""
-        if options.saved_input:
-            raise ValueError("--moe-fp4-saved-input is for Megatron's BF16 experts; the FP8 experts "
-                             "(--moe-fp4-experts fp8) already keep their saved input in FP4")
-        if config.moe_permute_fusion or self.token_dispatcher.drop_and_pad:
-            raise ValueError(
-                "--moe-fp4-experts fp8 behind --moe-fp4-dispatch does not support --moe-permute-fusion or "
-                "--moe-pad-expert-input-to-capacity yet: the payload rows are reordered like the experts' "
-                "input by the unfused sort"
-            )
-        self.token_dispatcher.payload_for_experts = True
-        self.experts.payload_source = self.token_dispatcher.take_expert_input
+    def _cache_role(self, hidden_states: torch.Tensor) -> CacheRole:
+        """Megatron checkpoints the layer when moe_layer_recompute and training. Its first pass
+        runs under no_grad on the layer input itself (which requires grad when a backward
+        follows); the recompute gets that input back detached, same storage, with grad on. A
+        forward the caller runs under no_grad has an input that requires no grad: no recompute
+        comes, nothing is kept."""
+        checkpointed = getattr(self, "moe_layer_recompute", False) and self.training
+        if self.recompute_cache is None or not checkpointed or not hidden_states.requires_grad:
+            return CacheRole.NONE
+        return CacheRole.REPLAY if torch.is_grad_enabled() else CacheRole.RECORD
 
-    def forward(self, hidden_states, *args, **kwargs):
-        # A checkpointed layer's first pass runs without grad inside a forward that has it; a
-        # forward the caller runs under no_grad has no recompute coming and must cache nothing.
-        self._forward_has_grad = torch.is_grad_enabled()
-        return super().forward(hidden_states, *args, **kwargs)
+    def preprocess(self, hidden_states, probs, routing_map):
+        role = self._cache_role(hidden_states)
+        # Both passes see the same input storage: that names the micro-batch (see dispatch/cache.py).
+        micro_batch = MicroBatchKey.of(hidden_states) if role is not CacheRole.NONE else None
+        tokens, probs = super().preprocess(hidden_states, probs, routing_map)
+        return LayerForward(tokens, role, micro_batch), probs
 
-    def routed_experts_compute(self, hidden_states, probs):
+    def dispatch(self, forward: LayerForward, probs):
+        replay = self.recompute_cache.take(forward.micro_batch) if forward.cache_role is CacheRole.REPLAY else None
+        # Our FP8 experts compute from the payload; Megatron's need its BF16 dequantization.
+        dequantize = self.options.experts is not ExpertsPrecision.FP8
+        received, probs = self.token_dispatcher.dispatch_fp4(forward.tokens, probs, dequantize, replay)
+        if forward.cache_role is CacheRole.RECORD:
+            self.recompute_cache.store(forward.micro_batch, received.cached())
+        return dataclasses.replace(forward, received=received), probs
+
+    def routed_experts_compute(self, forward: LayerForward, probs):
         dispatcher = self.token_dispatcher
-        if not dispatcher.fp4_options.saved_input or not torch.is_grad_enabled():
-            return super().routed_experts_compute(hidden_states, probs)
-        # The experts' input exists only once dispatch_postprocess has run inside the parent's
-        # method, so the hooks look it up lazily.
-        with torch.autograd.graph.saved_tensors_hooks(self._pack_expert_input, FP4SavedRows.unpack):
-            try:
-                return super().routed_experts_compute(hidden_states, probs)
-            finally:
-                dispatcher.expert_input_payload = None
-
-    def _pack_expert_input(self, t):
-        expert_input = self.token_dispatcher.expert_input_payload
-        if expert_input is None:
-            return t
-        return FP4SavedRows(*expert_input).pack(t)
-
-    def route(self, hidden_states, *args, **kwargs):
-        # Both passes of a checkpointed layer route the same input storage (the recompute gets the
-        # saved input back, detached): that names the micro-batch for the dispatcher's cache. The
-        # recompute is the pass with grad on (Megatron re-runs the layer's body, not forward()).
-        dispatcher = self.token_dispatcher
-        if dispatcher.recompute_cache is not None:
-            checkpointed = getattr(self, "moe_layer_recompute", False) and self.training
-            first_or_recompute = torch.is_grad_enabled() or getattr(self, "_forward_has_grad", False)
-            dispatcher.micro_batch_key = (
-                MicroBatchKey.of(hidden_states) if checkpointed and first_or_recompute else None
-            )
-        return super().route(hidden_states, *args, **kwargs)
+        received = forward.received
+        tokens, tokens_per_expert, probs = dispatcher.dispatch_postprocess(received.tokens, probs)
+        if self.options.experts is ExpertsPrecision.FP8:
+            payload = dispatcher.sort_like_experts(received.payload)
+            output, bias = self.experts(tokens, tokens_per_expert, probs, payload=payload)
+        elif self.options.saved_input and torch.is_grad_enabled():
+            with FP4SavedRows(tokens, dispatcher.sort_like_experts(received.payload)):
+                output, bias = self.experts(tokens, tokens_per_expert, probs)
+        else:
+            output, bias = self.experts(tokens, tokens_per_expert, probs)
+        if bias is not None:
+            raise RuntimeError(f"the experts returned a bias, which {type(dispatcher).__name__} cannot combine")
+        return dispatcher.combine_preprocess(output), bias
 
 
-def _fp4_moe_layer(options: FP4DispatchOptions):
+def _fp4_moe_layer(options: FP4Options):
     """A rewrite_spec hook that builds FP4MoELayer(fp4_options=options) where the spec builds MoELayer."""
 
     def rewrite(node):
@@ -118,10 +129,10 @@ def _fp4_moe_layer(options: FP4DispatchOptions):
     return rewrite
 
 
-def use_fp4_dispatch(spec, options: Optional[FP4DispatchOptions]):
+def use_fp4_dispatch(spec, options: FP4Options):
     """`spec` (ModuleSpec, TransformerBlockSubmodules or an MTP block spec) with every MoELayer
-    dispatching in FP4; unchanged (the same object) when options is None."""
-    if options is None or spec is None:
+    dispatching in FP4 when options.dispatch; otherwise the same object."""
+    if not options.dispatch or spec is None:
         return spec
     return rewrite_spec(spec, _fp4_moe_layer(options))
 
@@ -131,4 +142,4 @@ def count_fp4_moe_layers(model) -> int:
     return sum(isinstance(m, FP4MoELayer) for m in model.modules())
 
 
-__all__ = ["FP4MoELayer", "count_fp4_moe_layers", "use_fp4_dispatch"]
+__all__ = ["CacheRole", "FP4MoELayer", "LayerForward", "count_fp4_moe_layers", "use_fp4_dispatch"]

@@ -1,0 +1,406 @@
+"""Every switch of the plugin in one typed value, and the one table of configurations it refuses.
+
+`FP4Options` is built the same way from Megatron's parsed arguments (`from_args`) and from a
+`TransformerConfig` that carries our flags (`from_config`, the patch route). `validate` is the only
+place a configuration is refused: the launcher, the patch route, the estimator, `--dry-run` and the
+MoE layer all call it, and `docs/usage.md` is generated from `FLAGS` and `REFUSALS`
+(`python -m megatron_fp4.options` prints it; a test keeps the file in step).
+"""
+
+import argparse
+import enum
+from dataclasses import dataclass, fields
+from typing import Callable, Optional, Tuple
+
+from .formats import FP8_BLOCK
+
+# megatron-core release lines whose MoE seams (DESIGN §5) the dispatcher is written against and
+# tested with (tests/versions).
+SUPPORTED_MEGATRON_CORE = ((0, 18), (0, 19))
+
+
+class ScaleRule(enum.StrEnum):
+    CEIL = "ceil"  # 2^ceil(log2(amax / 6)): never clips
+    FLOOR = "floor"  # OCP: 2^(floor(log2(amax)) - 2), saturates at 6
+
+
+class GradFormat(enum.StrEnum):
+    BF16 = "bf16"  # the gradient unquantized, in the model's dtype
+    FP8 = "fp8"  # E4M3 rows with 1x128 power-of-two scales
+
+
+class ExpertsPrecision(enum.StrEnum):
+    BF16 = "bf16"  # Megatron's own experts
+    FP8 = "fp8"  # ours: FP8 GEMMs fed from the MXFP4 payload
+
+
+class Route(enum.StrEnum):
+    """How the plugin reached the model."""
+
+    LAUNCHER = "launcher"  # our pretrain_gpt_fp4.py (megatron_fp4.launch)
+    PLUGIN = "plugin"  # our layer spec in the user's own training script
+    PATCH = "patch"  # a Megatron tree patched with `megatron-fp4 patch` (Megatron's own MoELayer)
+
+
+class UnsupportedConfiguration(ValueError):
+    """A configuration the plugin refuses; the message is one sentence naming the flag to change."""
+
+
+@dataclass(frozen=True)
+class FP4Options:
+    dispatch: bool = False
+    dispatch_grad: GradFormat = GradFormat.BF16
+    scale_rule: ScaleRule = ScaleRule.CEIL
+    cache: bool = False
+    saved_input: bool = False
+    experts: ExpertsPrecision = ExpertsPrecision.BF16
+
+    def __post_init__(self):
+        # Accept the flags' strings; keep the enums.
+        object.__setattr__(self, "dispatch_grad", GradFormat(self.dispatch_grad))
+        object.__setattr__(self, "scale_rule", ScaleRule(self.scale_rule))
+        object.__setattr__(self, "experts", ExpertsPrecision(self.experts))
+
+    @property
+    def active(self) -> bool:
+        """Whether anything of the plugin touches the model (off: stock Megatron)."""
+        return self.dispatch or self.experts is ExpertsPrecision.FP8
+
+    @classmethod
+    def from_args(cls, args) -> "FP4Options":
+        """From Megatron's parsed arguments (or any object with the flags' attribute names, which a
+        patched TransformerConfig also has)."""
+        values = {}
+        for flag in FLAGS:
+            value = getattr(args, flag.attribute, None)
+            if value is not None:
+                values[flag.field] = value
+        return cls(**values)
+
+    from_config = from_args  # the patch route copies the moe_fp4_* arguments onto the config
+
+
+@dataclass(frozen=True)
+class Flag:
+    field: str  # FP4Options' field
+    help: str
+    choices: Optional[type] = None  # the enum, for valued flags
+
+    @property
+    def attribute(self) -> str:
+        return f"moe_fp4_{self.field}"
+
+    @property
+    def option(self) -> str:
+        return "--" + self.attribute.replace("_", "-")
+
+    @property
+    def default(self):
+        return next(f.default for f in fields(FP4Options) if f.name == self.field)
+
+
+FLAGS = (
+    Flag("dispatch", "Quantize routed tokens to MXFP4 before the expert-parallel all-to-all (H/2 + H/32 bytes per "
+         "token instead of 2H). Off: stock Megatron dispatch."),
+    Flag("dispatch_grad", "Format of the gradient sent back through the dispatch all-to-all: bf16 (unquantized, "
+         "exact) or fp8 (E4M3 with 1x128 power-of-two scales).", GradFormat),
+    Flag("scale_rule", "MXFP4 block scale: ceil (2^ceil(log2(amax/6)), never clips) or floor (OCP: "
+         "2^(floor(log2(amax)) - 2), saturates at 6).", ScaleRule),
+    Flag("cache", "With --recompute-modules moe: keep each MoE layer's received MXFP4 payload from its first pass "
+         "so that the recompute does not send the dispatch again (the gradient all-to-all still runs). Off by "
+         "default: it holds the payload of every checkpointed MoE layer and micro-batch in flight, memory that "
+         "`moe` recompute was chosen to save."),
+    Flag("saved_input", "Keep the saved fc1 input of Megatron's own experts (SequentialMLP) as the received MXFP4 "
+         "payload instead of BF16 (lossless: those values are FP4 values)."),
+    Flag("experts", "Routed experts: bf16 (Megatron's own, behind the exact FP4 -> BF16 dequantization) or fp8 "
+         "(ours: fc1/fc2 and their gradients as FP8 GEMMs with 1x128 / 128x128 power-of-two scales on SM90, fed "
+         "straight from the MXFP4 payload, SwiGLU and fc2 inputs saved in MXFP4; the same parameters and "
+         "checkpoint keys as SequentialMLP). Without --moe-fp4-dispatch, fp8 quantizes the BF16 dispatch itself "
+         "(the FP8 baseline).", ExpertsPrecision),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Our flags on Megatron's parser (the signature of Megatron's extra_args_provider)."""
+    group = parser.add_argument_group("megatron_fp4", "MXFP4 dispatch and FP8 experts for MoE layers "
+                                      "(refusals: docs/usage.md)")
+    for flag in FLAGS:
+        if flag.choices is None:
+            group.add_argument(flag.option, action="store_true", help=flag.help)
+        else:
+            group.add_argument(flag.option, choices=[c.value for c in flag.choices], default=flag.default.value,
+                               help=flag.help + f" Default: {flag.default.value}.")
+    return parser
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What the refusals need to know of the Megatron run, read the same way from parsed arguments
+    and from a TransformerConfig (whose names differ for a few settings)."""
+
+    num_experts: Optional[int]
+    dispatcher_type: Optional[str]
+    hidden_size: Optional[int]
+    dispatched_width: Optional[int]  # the MoE latent size when set, else hidden
+    moe_ffn_hidden_size: Optional[int]
+    expert_tensor_parallel_size: int
+    context_parallel_size: int
+    swiglu: bool
+    add_bias_linear: bool
+    recompute_granularity: Optional[str]
+    recompute_modules: Tuple[str, ...]
+    capacity_factor: Optional[float]
+    pad_to_capacity: bool
+    permute_fusion: bool
+    probs_on_input: bool
+    delay_wgrad: bool
+    activation_clamp: Optional[float]
+    overlap_ep_comm: bool
+    overlap_dispatch_wgrad: bool
+    cuda_graph_captures_moe: bool
+    inference_optimized: bool
+
+    @classmethod
+    def from_args(cls, args) -> "ModelSettings":
+        return cls._read(args, num_experts=getattr(args, "num_experts", None),
+                         swiglu=bool(getattr(args, "swiglu", False)))
+
+    @classmethod
+    def from_config(cls, config) -> "ModelSettings":
+        import torch.nn.functional as F
+
+        swiglu = bool(getattr(config, "gated_linear_unit", False)) and getattr(config, "activation_func", None) is F.silu
+        return cls._read(config, num_experts=getattr(config, "num_moe_experts", None), swiglu=swiglu)
+
+    @classmethod
+    def _read(cls, source, num_experts, swiglu) -> "ModelSettings":
+        get = lambda name, default=None: getattr(source, name, default)  # noqa: E731
+        hidden = get("hidden_size")
+        return cls(
+            num_experts=num_experts,
+            dispatcher_type=get("moe_token_dispatcher_type"),
+            hidden_size=hidden,
+            dispatched_width=get("moe_latent_size") or hidden,
+            moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
+            expert_tensor_parallel_size=get("expert_tensor_parallel_size") or 1,
+            context_parallel_size=get("context_parallel_size") or 1,
+            swiglu=swiglu,
+            add_bias_linear=bool(get("add_bias_linear", False)),
+            recompute_granularity=get("recompute_granularity"),
+            recompute_modules=tuple(get("recompute_modules") or ()),
+            capacity_factor=get("moe_expert_capacity_factor"),
+            pad_to_capacity=bool(get("moe_pad_expert_input_to_capacity", False)),
+            permute_fusion=bool(get("moe_permute_fusion", False)),
+            probs_on_input=bool(get("moe_apply_probs_on_input", False)),
+            delay_wgrad=bool(get("delay_wgrad_compute", False)),
+            activation_clamp=get("activation_func_clamp_value"),
+            overlap_ep_comm=bool(get("overlap_moe_expert_parallel_comm", False)),
+            overlap_dispatch_wgrad=bool(get("overlap_dispatch_backward_with_experts_wgrad", False)),
+            cuda_graph_captures_moe=_cuda_graph_captures_moe(source),
+            inference_optimized=get("transformer_impl") == "inference_optimized",
+        )
+
+    @property
+    def moe_recompute(self) -> bool:
+        return self.recompute_granularity == "selective" and "moe" in self.recompute_modules
+
+
+# CUDA-graph regions that contain (part of) the MoE layer; an empty list means the whole layer.
+_MOE_GRAPH_MODULES = {"moe", "moe_router", "moe_preprocess"}
+
+
+def _cuda_graph_captures_moe(source) -> bool:
+    if getattr(source, "enable_cuda_graph", False) or getattr(source, "external_cuda_graph", False):
+        return True  # the pre-0.19 switches captured whole layers
+    impl = getattr(source, "cuda_graph_impl", "none") or "none"
+    if impl == "none":
+        return False
+    if impl == "full_iteration":
+        return True
+    # 0.19 names the regions cuda_graph_modules, 0.18 cuda_graph_scope.
+    modules = getattr(source, "cuda_graph_modules", None)
+    if modules is None:
+        modules = getattr(source, "cuda_graph_scope", None)
+    names = {getattr(m, "name", str(m)) for m in (modules or [])}
+    return not names or bool(names & (_MOE_GRAPH_MODULES | {"full_iteration"}))
+
+
+@dataclass(frozen=True)
+class Environment:
+    megatron_core_version: str
+    cuda_available: bool
+
+    @classmethod
+    def here(cls) -> "Environment":
+        import megatron.core
+        import torch
+
+        return cls(megatron.core.__version__, torch.cuda.is_available())
+
+
+def _release_line(version: str) -> Optional[Tuple[int, int]]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _supported_text() -> str:
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_MEGATRON_CORE
+    return f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}.x"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refused configuration: `when` says it for the docs; `message` is the one sentence a
+    user sees, formatted with the settings' fields (and `version`)."""
+
+    when: str
+    applies: Callable[[FP4Options, ModelSettings, Environment, Route], bool]
+    message: str
+
+
+FP8 = ExpertsPrecision.FP8
+_fp8_experts = lambda o: o.experts is FP8  # noqa: E731
+_fp4_payload = lambda o: o.dispatch or o.cache or o.saved_input  # noqa: E731
+
+REFUSALS = (
+    # What the flags need of each other.
+    Refusal("--moe-fp4-cache without --moe-fp4-dispatch",
+            lambda o, m, e, r: o.cache and not o.dispatch,
+            "--moe-fp4-cache needs --moe-fp4-dispatch: it caches the FP4 dispatch's payload."),
+    Refusal("--moe-fp4-saved-input without --moe-fp4-dispatch",
+            lambda o, m, e, r: o.saved_input and not o.dispatch,
+            "--moe-fp4-saved-input needs --moe-fp4-dispatch: it keeps the FP4 dispatch's payload."),
+    Refusal("--moe-fp4-saved-input with --moe-fp4-experts fp8",
+            lambda o, m, e, r: o.saved_input and _fp8_experts(o),
+            "--moe-fp4-saved-input is for Megatron's BF16 experts; --moe-fp4-experts fp8 already keeps its saved "
+            "input in FP4: drop --moe-fp4-saved-input."),
+    # Where the plugin runs.
+    Refusal("a megatron-core release outside the supported lines",
+            lambda o, m, e, r: o.active and e is not None and not (
+                (line := _release_line(e.megatron_core_version)) is not None
+                and SUPPORTED_MEGATRON_CORE[0] <= line <= SUPPORTED_MEGATRON_CORE[1]),
+            "megatron_fp4 supports megatron-core " + _supported_text() + ", found {version}: install a supported "
+            "megatron-core or drop the --moe-fp4-* flags."),
+    Refusal("no CUDA GPU",
+            lambda o, m, e, r: o.active and e is not None and not e.cuda_available,
+            "--moe-fp4-dispatch and --moe-fp4-experts fp8 need CUDA GPUs: their Triton kernels and FP8 GEMMs run "
+            "only there."),
+    Refusal("the patch route with --moe-fp4-cache, --moe-fp4-saved-input or --moe-fp4-experts fp8",
+            lambda o, m, e, r: r is Route.PATCH and (o.cache or o.saved_input or _fp8_experts(o)),
+            "--moe-fp4-cache, --moe-fp4-saved-input and --moe-fp4-experts fp8 need the plugin's layer spec "
+            "(megatron_fp4.launch or scripts/pretrain_gpt_fp4.py), not a tree patched with `megatron-fp4 patch`: "
+            "drop them there."),
+    Refusal("context parallelism (our launcher does not slice batches per CP rank)",
+            lambda o, m, e, r: r is Route.LAUNCHER and m.context_parallel_size > 1,
+            "megatron_fp4's launcher does not slice batches for context parallelism: use --context-parallel-size 1."),
+    # The model.
+    Refusal("no MoE layers",
+            lambda o, m, e, r: o.active and not m.num_experts,
+            "--moe-fp4-dispatch and --moe-fp4-experts fp8 need an MoE model: set --num-experts."),
+    Refusal("a dispatcher other than alltoall",
+            lambda o, m, e, r: o.dispatch and m.dispatcher_type != "alltoall",
+            "--moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got {dispatcher_type}): it replaces "
+            "that dispatcher's all-to-all."),
+    Refusal("a dispatched width not divisible by 128",
+            lambda o, m, e, r: o.active and (m.dispatched_width or 0) % FP8_BLOCK != 0,
+            f"--moe-fp4-dispatch and --moe-fp4-experts fp8 need --hidden-size (or --moe-latent-size) divisible by "
+            f"{FP8_BLOCK} (got {{dispatched_width}}): FP8 1x128 blocks must not straddle rows."),
+    Refusal("expert tensor parallelism",
+            lambda o, m, e, r: o.active and m.expert_tensor_parallel_size > 1,
+            "megatron_fp4 does not support expert tensor parallelism: use --expert-tensor-parallel-size 1 "
+            "(got {expert_tensor_parallel_size}) and expert parallelism instead."),
+    Refusal("--overlap-moe-expert-parallel-comm",
+            lambda o, m, e, r: o.active and m.overlap_ep_comm,
+            "megatron_fp4 does not support --overlap-moe-expert-parallel-comm: its split schedule calls the MoE "
+            "layer's parts itself and would bypass the FP4 dispatch; drop the flag."),
+    Refusal("overlap_dispatch_backward_with_experts_wgrad (a TransformerConfig setting)",
+            lambda o, m, e, r: o.active and m.overlap_dispatch_wgrad,
+            "megatron_fp4 does not support the config's overlap_dispatch_backward_with_experts_wgrad: its dispatch "
+            "and experts do not delay the weight gradients; set it to False."),
+    Refusal("CUDA graphs that capture the MoE layer",
+            lambda o, m, e, r: o.active and m.cuda_graph_captures_moe,
+            "megatron_fp4 does not support CUDA graphs that capture the MoE layer: use --cuda-graph-impl none or "
+            "--cuda-graph-modules attn (mlp for dense layers)."),
+    Refusal("transformer_impl inference_optimized",
+            lambda o, m, e, r: o.active and m.inference_optimized,
+            "megatron_fp4 is for training: --transformer-impl inference_optimized is not supported."),
+    Refusal("--moe-fp4-cache without whole-layer MoE recompute",
+            lambda o, m, e, r: o.cache and not m.moe_recompute,
+            "--moe-fp4-cache serves only the recompute of whole MoE layers: add --recompute-granularity selective "
+            "--recompute-modules moe, or drop --moe-fp4-cache."),
+    Refusal("--moe-fp4-cache with token dropping",
+            # The no-grad first pass and the recompute can compute probs one BF16 unit apart (Megatron sorts
+            # top-k only with grad), so with dropping they can keep other tokens with the same counts.
+            lambda o, m, e, r: o.cache and m.capacity_factor is not None,
+            "--moe-fp4-cache does not support --moe-expert-capacity-factor: with token dropping the recompute can "
+            "keep other tokens than the first pass, so the cached dispatch could be the wrong tokens; drop one of "
+            "the two flags."),
+    Refusal("the payload reordered by a fused or padded permutation",
+            lambda o, m, e, r: o.dispatch and (o.saved_input or _fp8_experts(o)) and (
+                m.permute_fusion or m.pad_to_capacity),
+            "--moe-fp4-saved-input and --moe-fp4-experts fp8 (with --moe-fp4-dispatch) do not support "
+            "--moe-permute-fusion or --moe-pad-expert-input-to-capacity: the payload rows are reordered like the "
+            "experts' input by the unfused sort; drop those flags."),
+    # What our FP8 experts implement.
+    Refusal("--moe-fp4-experts fp8 without SwiGLU",
+            lambda o, m, e, r: _fp8_experts(o) and not m.swiglu,
+            "--moe-fp4-experts fp8 implements SwiGLU experts only: add --swiglu."),
+    Refusal("--moe-fp4-experts fp8 with biases",
+            lambda o, m, e, r: _fp8_experts(o) and m.add_bias_linear,
+            "--moe-fp4-experts fp8 has no expert biases: add --disable-bias-linear."),
+    Refusal("--moe-fp4-experts fp8 with an FFN size not divisible by 128",
+            lambda o, m, e, r: _fp8_experts(o) and (m.moe_ffn_hidden_size or 0) % FP8_BLOCK != 0,
+            f"--moe-fp4-experts fp8 needs --moe-ffn-hidden-size divisible by {FP8_BLOCK} (got "
+            "{moe_ffn_hidden_size})."),
+    Refusal("--moe-fp4-experts fp8 with --moe-apply-probs-on-input",
+            lambda o, m, e, r: _fp8_experts(o) and m.probs_on_input,
+            "--moe-fp4-experts fp8 applies the probs after SwiGLU: drop --moe-apply-probs-on-input."),
+    Refusal("--moe-fp4-experts fp8 with --delay-wgrad-compute",
+            lambda o, m, e, r: _fp8_experts(o) and m.delay_wgrad,
+            "--moe-fp4-experts fp8 computes weight gradients in backward: drop --delay-wgrad-compute."),
+    Refusal("--moe-fp4-experts fp8 with --activation-func-clamp-value",
+            lambda o, m, e, r: _fp8_experts(o) and m.activation_clamp is not None,
+            "--moe-fp4-experts fp8 has no SwiGLU clamp: drop --activation-func-clamp-value."),
+    Refusal("--moe-fp4-experts fp8 with moe_act recompute",
+            lambda o, m, e, r: _fp8_experts(o) and "moe_act" in m.recompute_modules,
+            "--moe-fp4-experts fp8 keeps its activations in MXFP4 and does not recompute them: drop moe_act from "
+            "--recompute-modules."),
+)
+
+
+def validate(options: FP4Options, model: ModelSettings, environment: Optional[Environment],
+             route: Route) -> None:
+    """Raise UnsupportedConfiguration with the first refusal that applies. environment None skips
+    the checks of this machine (the estimator and --dry-run plan for another one)."""
+    for refusal in REFUSALS:
+        if refusal.applies(options, model, environment, route):
+            version = environment.megatron_core_version if environment is not None else None
+            values = {f.name: getattr(model, f.name) for f in fields(model)}
+            raise UnsupportedConfiguration(refusal.message.format(version=version, **values))
+
+
+def validate_args(args, route: Route, environment: Optional[Environment]) -> FP4Options:
+    """validate() for Megatron's parsed arguments; returns the options they ask for."""
+    options = FP4Options.from_args(args)
+    validate(options, ModelSettings.from_args(args), environment, route)
+    return options
+
+
+def usage_markdown() -> str:
+    """The flags and refusals tables of docs/usage.md."""
+    lines = ["| flag | default | what it does |", "| --- | --- | --- |"]
+    for flag in FLAGS:
+        default = "off" if flag.choices is None else f"`{flag.default.value}`"
+        choices = "" if flag.choices is None else " {" + ",".join(c.value for c in flag.choices) + "}"
+        lines.append(f"| `{flag.option}`{choices} | {default} | {flag.help} |")
+    lines += ["", "| refused | message |", "| --- | --- |"]
+    for refusal in REFUSALS:
+        lines.append(f"| {refusal.when} | {refusal.message} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(usage_markdown(), end="")
