@@ -1,5 +1,6 @@
-"""Test setup: on a machine without CUDA the Triton kernels run under the CPU interpreter and the
-GPU-only tests (marker `gpu`) are skipped; with CUDA everything runs on the GPU."""
+"""Test setup: on a machine without CUDA the Triton kernels run under the CPU interpreter, the FP8
+expert GEMMs under an fp32 emulation (tests/support/scaled_mm_on_cpu.py) and the GPU-only tests
+(marker `gpu`) are skipped; with CUDA everything runs on the GPU."""
 
 import os
 
@@ -29,3 +30,16 @@ def pytest_collection_modifyitems(config, items):
 def device() -> torch.device:
     """Where kernel tests run: the GPU when there is one, else the CPU through the interpreter."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fp8_gemms_emulated_without_cuda():
+    """Production refuses FP8 GEMMs off the GPU; without one, tests run them in the emulation."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from support import scaled_mm_on_cpu
+
+    scaled_mm_on_cpu.install()
+    yield
+    scaled_mm_on_cpu.uninstall()

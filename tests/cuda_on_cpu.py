@@ -3,8 +3,9 @@ schedules call CUDA streams, events, RNG and device="cuda" factories) in a CPU t
 
 Import it first, in a process of its own (it patches torch globally; never in the pytest
 process): streams and events become no-ops, "cuda" devices the CPU, the CUDA RNG the CPU default
-generator. Triton kernels run in the interpreter. What it cannot show: stream ordering, NCCL, the
-numerics of CUDA-only ops (our FP8 GEMMs fall back to an fp32 emulation on CPU)."""
+generator. Triton kernels run in the interpreter, our FP8 GEMMs in an fp32 emulation
+(support/scaled_mm_on_cpu.py). What it cannot show: stream ordering, NCCL, the numerics of
+CUDA-only ops."""
 
 import contextlib
 import os
@@ -137,3 +138,7 @@ def install() -> None:
 
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+
+    from support import scaled_mm_on_cpu
+
+    scaled_mm_on_cpu.install()

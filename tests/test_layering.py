@@ -1,9 +1,14 @@
-"""Production code never imports the reference oracle: megatron_fp4.reference is the tests' truth,
-and a kernel or module that leaned on it would be checked against itself. Read with `ast`, so an
-import inside a function, a relative import or importlib.import_module("...") counts too."""
+"""What production code may not lean on. It never imports the reference oracle:
+megatron_fp4.reference is the tests' truth, and a kernel or module that leaned on it would be
+checked against itself (read with `ast`, so an import inside a function, a relative import or
+importlib.import_module("...") counts too). And it holds no CPU emulation: the FP8 GEMMs refuse
+CPU operands unless a test installs one (tests/support)."""
 
 import ast
 from pathlib import Path
+
+import pytest
+import torch
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megatron_fp4"
 ORACLE = "megatron_fp4.reference"
@@ -67,3 +72,17 @@ def test_the_import_check_sees_lazy_and_relative_imports():
     assert any(_is_oracle(n) for n in imported_modules(dynamic, "megatron_fp4"))
     assert not any(_is_oracle(n) for n in imported_modules("from ..layout import colwise_capacity",
                                                              "megatron_fp4.kernels"))
+
+
+def test_fp8_gemms_refuse_cpu_operands_without_the_test_emulation(monkeypatch):
+    from megatron_fp4 import reference as ref
+    from megatron_fp4.experts import gemm
+
+    monkeypatch.setattr(gemm, "scaled_mm_off_cuda", None)
+    x = ref.quantize_fp8_rows(torch.randn(4, 256))
+    w = ref.quantize_fp8_weight(torch.randn(128, 256))
+    with pytest.raises(RuntimeError, match=r"^the FP8 expert GEMMs need an SM90 \(Hopper\) GPU; the operands are on cpu$"):
+        gemm.gemm_by_weight(x.data, x.block_scales.t(), w)
+    x_t, grad_t = (ref.quantize_fp8_cols(torch.randn(256, 256), [256]) for _ in range(2))
+    with pytest.raises(RuntimeError, match="need an SM90"):
+        gemm.gemm_1x128(*gemm.columns_segment(x_t, 0, 256), *gemm.columns_segment_as_b(grad_t, 0, 256))

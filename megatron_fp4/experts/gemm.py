@@ -1,16 +1,17 @@
 """The experts' FP8 GEMMs, one expert segment at a time.
 
-On CUDA: torch.nn.functional.scaled_mm with DeepSeek-style block scales (SM90, cuBLASLt >= 12.9):
-activations and gradients in 1x128 blocks, weights in 128x128 blocks. On CPU (CI), where no FP8
-GEMM exists, the same product of the dequantized operands in fp32: the operands, their layouts
-and the slicing are the ones the GPU uses, only the multiply-accumulate differs.
+torch.nn.functional.scaled_mm with DeepSeek-style block scales (SM90, cuBLASLt >= 12.9):
+activations and gradients in 1x128 blocks, weights in 128x128 blocks. No FP8 GEMM exists off the
+GPU, so CPU tensors are refused unless a test installs an emulation in `scaled_mm_off_cuda`
+(tests/support/scaled_mm_on_cpu.py): the operands, their layouts and the slicing stay the ones
+the GPU uses, only the multiply-accumulate differs.
 
 Operand conventions (scaled_mm's): a is [M, K] row-major with scales (M, K/128) of strides (1, M);
 b is [K, N] column-major with scales (N, K/128) of strides (1, N) for 1x128, or
 (round_up(K/128, 4), N/128) of strides (1, round_up(K/128, 4)) for 128x128.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -102,15 +103,8 @@ def _check_contract(a, scale_a, b, scale_b, b_blocks_128x128: bool) -> None:
         raise RuntimeError("FP8 expert GEMM operands break scaled_mm's contract: " + "; ".join(problems))
 
 
-def _dequantize_a(a: torch.Tensor, scale_a: torch.Tensor) -> torch.Tensor:
-    return a.float() * scale_a.repeat_interleave(FP8_BLOCK, dim=1)
-
-
-def _emulated(a, scale_a, b_values: torch.Tensor, out_dtype) -> torch.Tensor:
-    return (_dequantize_a(a, scale_a) @ b_values).to(out_dtype)
-
-
-def _scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+def _scaled_mm_on_cuda(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype,
+                      out: Optional[torch.Tensor]) -> torch.Tensor:
     if out is None:
         return F.scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=out_dtype)
     # F.scaled_mm takes no `out`; the op behind it does (no [M, N] temporary and copy per expert).
@@ -118,8 +112,17 @@ def _scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype, out: Optio
                                             None, out_dtype, [], False, out=out)
 
 
-def _into(out: Optional[torch.Tensor], product: torch.Tensor) -> torch.Tensor:
-    return product if out is None else out.copy_(product)
+# The GEMM for operands off CUDA, with _scaled_mm_on_cuda's arguments. None in production: tests
+# running the experts on CPU install an emulation here.
+scaled_mm_off_cuda: Optional[Callable[..., torch.Tensor]] = None
+
+
+def _scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+    if a.is_cuda:
+        return _scaled_mm_on_cuda(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype, out)
+    if scaled_mm_off_cuda is None:
+        raise RuntimeError(f"the FP8 expert GEMMs need an SM90 (Hopper) GPU; the operands are on {a.device}")
+    return scaled_mm_off_cuda(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype, out)
 
 
 def gemm_by_weight(a: torch.Tensor, scale_a: torch.Tensor, weight: FP8BlockWeight,
@@ -128,20 +131,13 @@ def gemm_by_weight(a: torch.Tensor, scale_a: torch.Tensor, weight: FP8BlockWeigh
     written into `out` (contiguous [M, N] of out_dtype) when given."""
     b, scale_b = weight.scaled_mm_operand()
     _check_contract(a, scale_a, b, scale_b, b_blocks_128x128=True)
-    if a.is_cuda:
-        return _scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise128x128,
-                          out_dtype, out)
-    k_blocks = a.shape[1] // FP8_BLOCK  # scale_b is (round_up(K/128, 4), N/128): padding rows unused
-    b_scales = scale_b[:k_blocks].repeat_interleave(FP8_BLOCK, dim=0).repeat_interleave(FP8_BLOCK, dim=1)
-    return _into(out, _emulated(a, scale_a, b.float() * b_scales, out_dtype))
+    return _scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise128x128,
+                      out_dtype, out)
 
 
 def gemm_1x128(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
                out_dtype=torch.bfloat16) -> torch.Tensor:
     """a @ b with both operands in 1x128 blocks along K (the weight-gradient GEMMs)."""
     _check_contract(a, scale_a, b, scale_b, b_blocks_128x128=False)
-    if a.is_cuda:
-        return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise1x128,
-                           output_dtype=out_dtype)
-    b_values = b.float() * scale_b.t().repeat_interleave(FP8_BLOCK, dim=0)
-    return _emulated(a, scale_a, b_values, out_dtype)
+    return _scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise1x128,
+                      out_dtype, None)
