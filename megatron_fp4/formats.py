@@ -20,10 +20,25 @@ E8M0_NAN = 255  # a block holding NaN or Inf; dequantizes to NaN
 # FP8 side: E4M3 (torch.float8_e4m3fn) with one power-of-two fp32 scale per 1x128 block.
 FP8_BLOCK = 128
 E4M3_MAX = 448.0
+E4M3_NAN = 0x7F  # with the sign bit clear; 0xFF is NaN too
 # Four MXFP4 blocks make one FP8 group; the largest E2M1 magnitude (6) times 2^6 is 384 < 448.
 FP4_TO_FP8_HEADROOM_LOG2 = 6
+# A group whose largest scale byte is S gets the FP8 scale 2^(S - 133).
+FP4_TO_FP8_SCALE_BIAS = E8M0_BIAS + FP4_TO_FP8_HEADROOM_LOG2
 # A gap d between a block's scale byte and its group's largest one is exact while d <= 14.
 FP4_TO_FP8_EXACT_MAX_GAP = 14
+
+# Storage sizes in bytes.
+E2M1_BYTES = 0.5  # two elements per byte
+E8M0_BYTES = 1
+E4M3_BYTES = 1
+FP8_SCALE_BYTES = 4  # one fp32 per block
+# Per element, scales included (the estimator's unit).
+MXFP4_BYTES_PER_ELEMENT = E2M1_BYTES + E8M0_BYTES / MXFP4_BLOCK  # 0.53125
+FP8_1X128_BYTES_PER_ELEMENT = E4M3_BYTES + FP8_SCALE_BYTES / FP8_BLOCK  # 1.03125
+FP8_128X128_BYTES_PER_ELEMENT = E4M3_BYTES + FP8_SCALE_BYTES / (FP8_BLOCK * FP8_BLOCK)  # weights
+# Transformer Engine's MXFP8 (E4M3 elements, one E8M0 byte per 32): only the estimator needs it.
+MXFP8_BYTES_PER_ELEMENT = E4M3_BYTES + E8M0_BYTES / MXFP4_BLOCK
 
 SCALE_RULES = ("ceil", "floor")
 
@@ -33,7 +48,12 @@ FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def mxfp4_wire_bytes_per_row(hidden: int) -> int:
     """Bytes of one token on the wire: packed E2M1 data followed by its E8M0 scales."""
-    return hidden // 2 + hidden // MXFP4_BLOCK
+    return hidden // 2 + E8M0_BYTES * (hidden // MXFP4_BLOCK)
+
+
+def fp8_wire_bytes_per_row(hidden: int) -> int:
+    """Bytes of one FP8 1x128 token on the wire: E4M3 data followed by its fp32 scales' bytes."""
+    return E4M3_BYTES * hidden + FP8_SCALE_BYTES * (hidden // FP8_BLOCK)
 
 
 def check_scale_rule(scale_rule: str) -> None:

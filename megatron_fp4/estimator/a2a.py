@@ -13,7 +13,7 @@ probabilities (4 bytes per row) also travel with the dispatch; they are left out
 
 from dataclasses import dataclass
 
-from .precision import Precision
+from .precision import FP8_1X128_BYTES, MXFP4_BYTES, Precision
 from .recompute import Recompute
 from .shapes import (
     MOE,
@@ -27,9 +27,9 @@ from .shapes import (
 
 def row_bytes(fmt: str, hidden: int) -> float:
     if fmt == "fp4":
-        return hidden / 2 + hidden / 32
+        return hidden * MXFP4_BYTES
     if fmt == "fp8":
-        return hidden + hidden / 32
+        return hidden * FP8_1X128_BYTES
     if fmt == "bf16":
         return 2 * hidden
     raise ValueError(f"unknown wire format {fmt!r}")

@@ -21,10 +21,12 @@
 
 from dataclasses import dataclass
 
-MXFP4_BYTES = 0.5 + 1 / 32  # E2M1 element + one E8M0 byte per 32 elements = 0.53125
-FP8_1X128_BYTES = 1 + 4 / 128  # E4M3 element + one fp32 scale per 128 elements = 1.03125
-FP8_128X128_BYTES = 1 + 4 / (128 * 128)  # weights: one fp32 scale per 128x128 block
-MXFP8_BYTES = 1 + 1 / 32
+from ..formats import (
+    FP8_1X128_BYTES_PER_ELEMENT as FP8_1X128_BYTES,
+    FP8_128X128_BYTES_PER_ELEMENT as FP8_128X128_BYTES,
+    MXFP4_BYTES_PER_ELEMENT as MXFP4_BYTES,
+    MXFP8_BYTES_PER_ELEMENT as MXFP8_BYTES,
+)
 
 
 BYTES_OF_DTYPE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "torch.float32": 4, "torch.bfloat16": 2,
