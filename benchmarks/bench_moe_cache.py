@@ -59,7 +59,8 @@ def parse(argv):
 def measure_kind(args, experts: str, x, grad, group):
     """Rows no recompute / cache off / cache on for one kind of experts, and the forward dispatch
     alone as that layer runs it (dequantized for BF16 experts, not for FP8 experts)."""
-    from megatron_fp4.dispatch import FP4DispatchOptions, fp4_dispatch_all_to_all
+    from megatron_fp4.dispatch import fp4_dispatch_all_to_all
+    from megatron_fp4.options import FP4Options
     from megatron_fp4.dispatch.all_to_all import all_to_all_rows
     from megatron_fp4.integration.standalone import build_moe_layer
     from megatron_fp4.kernels import quantize_mxfp4
@@ -72,12 +73,12 @@ def measure_kind(args, experts: str, x, grad, group):
     world = dist.get_world_size()
     plain = moe_config(args, world)
     checkpointed = moe_config(args, world, recompute_granularity="selective", recompute_modules=["moe"])
-    options = FP4DispatchOptions(grad_format=args.grad)
-    cached = FP4DispatchOptions(grad_format=args.grad, cache=True)
+    options = FP4Options(dispatch=True, dispatch_grad=args.grad, experts=experts)
+    cached = FP4Options(dispatch=True, dispatch_grad=args.grad, cache=True, experts=experts)
     layers = {
-        NO_RECOMPUTE: build_moe_layer(plain, options, experts=experts).cuda(),
-        CACHE_OFF: build_moe_layer(checkpointed, options, experts=experts).cuda(),
-        CACHE_ON: build_moe_layer(checkpointed, cached, experts=experts).cuda(),
+        NO_RECOMPUTE: build_moe_layer(plain, options).cuda(),
+        CACHE_OFF: build_moe_layer(checkpointed, options).cuda(),
+        CACHE_ON: build_moe_layer(checkpointed, cached).cuda(),
     }
     reference = layers[NO_RECOMPUTE].state_dict()
     for layer in layers.values():

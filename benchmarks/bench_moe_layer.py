@@ -73,11 +73,11 @@ FP4_FP8 = "FP4 dispatch + FP8 experts"
 
 def compare_experts(args, config, x, grad, stock, fp4, log, recorder) -> None:
     """The four layers, from one run, timed in turns (interleaved_medians_ms)."""
-    from megatron_fp4.dispatch import FP4DispatchOptions
     from megatron_fp4.integration.standalone import build_moe_layer
+    from megatron_fp4.options import FP4Options
 
-    baseline = build_moe_layer(config, experts="fp8").cuda()
-    fp4_fp8 = build_moe_layer(config, FP4DispatchOptions(grad_format=args.grad), experts="fp8").cuda()
+    baseline = build_moe_layer(config, FP4Options(experts="fp8")).cuda()
+    fp4_fp8 = build_moe_layer(config, FP4Options(dispatch=True, dispatch_grad=args.grad, experts="fp8")).cuda()
     baseline.load_state_dict(stock.state_dict())
     fp4_fp8.load_state_dict(stock.state_dict())
     layers = {STOCK: stock, FP8_BASELINE: baseline, FP4_BF16: fp4, FP4_FP8: fp4_fp8}
@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     from megatron.core.tensor_parallel import all_to_all
 
     import megatron_fp4 as mf
-    from megatron_fp4.dispatch import FP4DispatchOptions, fp4_dispatch_all_to_all
+    from megatron_fp4.dispatch import fp4_dispatch_all_to_all
+    from megatron_fp4.options import FP4Options
     from megatron_fp4.formats import mxfp4_wire_bytes_per_row
     from megatron_fp4.integration.standalone import build_moe_layer
     from megatron_fp4.tensors import MXFP4Tensor
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
 
     config = moe_config(args, world)
     stock = build_moe_layer(config).cuda()
-    fp4 = build_moe_layer(config, FP4DispatchOptions(grad_format=args.grad)).cuda()
+    fp4 = build_moe_layer(config, FP4Options(dispatch=True, dispatch_grad=args.grad)).cuda()
     fp4.load_state_dict(stock.state_dict())
     x, grad = random_tokens(args, rank)
 

@@ -60,13 +60,13 @@ def main(argv=None) -> int:
 
 
 def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool, python: bool) -> None:
-    from megatron_fp4.dispatch import FP4DispatchOptions
     from megatron_fp4.integration.standalone import build_moe_layer
+    from megatron_fp4.options import FP4Options
 
     fp4, experts, recompute, cache = LAYERS[layer_name]
     config = moe_config(args, world, **({"recompute_granularity": "selective", "recompute_modules": ["moe"]}
                                         if recompute else {}))
-    layer = build_moe_layer(config, FP4DispatchOptions(cache=cache) if fp4 else None, experts=experts).cuda()
+    layer = build_moe_layer(config, FP4Options(dispatch=fp4, cache=cache, experts=experts)).cuda()
     x, grad = random_tokens(args, rank)
     step = layer_step(layer, x, grad)
     for _ in range(args.warmup):
