@@ -139,6 +139,14 @@ def install() -> None:
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
 
+    # The dispatcher's device-to-host copy of its splits yields numpy arrays only for CUDA tensors;
+    # emulated they would stay tensors, which all_to_all_single rejects as split sizes.
+    import megatron.core.transformer.moe.token_dispatcher as megatron_dispatcher
+
+    to_host = megatron_dispatcher.maybe_move_tensor_to_cpu
+    megatron_dispatcher.maybe_move_tensor_to_cpu = lambda tensor, as_numpy=False, record_stream=False: (
+        tensor.numpy() if as_numpy and torch.is_tensor(tensor) else to_host(tensor, as_numpy, record_stream))
+
     from support import scaled_mm_on_cpu
 
     scaled_mm_on_cpu.install()

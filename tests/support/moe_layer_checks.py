@@ -1,4 +1,6 @@
-"""GPU, 2+ GPUs (NCCL): the FP4-dispatch MoELayer equals, bit for bit, a stock alltoall MoELayer
+"""The distributed MoE-layer scenarios, each a function of the rank run by both ranks of a two-rank
+group (tests/distributed: NCCL on two GPUs, or gloo with torch.cuda emulated on the CPU at reduced
+sizes). The FP4-dispatch MoELayer equals, bit for bit, a stock alltoall MoELayer
 whose permuted tokens are rounded to MXFP4 by the reference right before its all-to-all
 (straight-through gradient; with the fp8 gradient format, the received tokens' gradient rounded to
 FP8 1x128 rows by the reference). Routing, experts, shared experts and combine are then the same
@@ -24,21 +26,10 @@ same through Megatron's pipeline schedules with PP 2 (EP 1) and four micro-batch
 the interleaved schedule with two virtual stages per rank (the second test)."""
 
 import contextlib
-import datetime
-import faulthandler
 import functools
-import os
-import sys
-import tempfile
-import time
-import traceback
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-pytestmark = pytest.mark.gpu
 
 # (tensor parallel, expert parallel, gradient format, shared-expert overlap)
 LAYOUTS = [(1, 2, "bf16", False), (1, 2, "fp8", False), (1, 2, "bf16", True), (2, 1, "bf16", False), (2, 1, "fp8", False)]
@@ -126,7 +117,7 @@ def _check_layout(rank, tp, ep, grad_format, overlap):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     from megatron_fp4.dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
-    from megatron_fp4.integration import FP4DispatchOptions
+    from megatron_fp4.options import FP4Options
     from megatron_fp4.integration.standalone import build_moe_layer
 
     parallel_state.initialize_model_parallel(
@@ -135,14 +126,14 @@ def _check_layout(rank, tp, ep, grad_format, overlap):
     try:
         model_parallel_cuda_manual_seed(1234)
         config = _config(tp, ep, overlap)
-        options = FP4DispatchOptions(scale_rule="ceil", grad_format=grad_format)
+        options = FP4Options(dispatch=True, scale_rule="ceil", dispatch_grad=grad_format)
         stock = build_moe_layer(config).cuda()
         fp4 = build_moe_layer(config, options).cuda()
         rounded = build_moe_layer(config).cuda()
         assert isinstance(fp4.token_dispatcher, FP4AlltoAllTokenDispatcher)
         # --moe-fp4-saved-input: the experts' saved fc1 input kept as the payload; same bits expected.
-        fp4_saved = build_moe_layer(config, FP4DispatchOptions(scale_rule="ceil", grad_format=grad_format,
-                                                               saved_input=True)).cuda()
+        fp4_saved = build_moe_layer(config, FP4Options(dispatch=True, scale_rule="ceil", dispatch_grad=grad_format,
+                                                       saved_input=True)).cuda()
         fp4.load_state_dict(stock.state_dict())
         fp4_saved.load_state_dict(stock.state_dict())
         rounded.load_state_dict(stock.state_dict())
@@ -199,17 +190,17 @@ def _check_fp8_experts(rank):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     from megatron_fp4.experts import FP8Experts
-    from megatron_fp4.integration import FP4DispatchOptions
+    from megatron_fp4.options import FP4Options
     from megatron_fp4.integration.standalone import build_moe_layer
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
     try:
         model_parallel_cuda_manual_seed(1234)
         config = _config(1, 2, False)
-        ours = build_moe_layer(config, FP4DispatchOptions(), experts="fp8").cuda()
-        layers = {"fp8 experts, rounded": build_moe_layer(config, experts="fp8").cuda(),
+        ours = build_moe_layer(config, FP4Options(dispatch=True, experts="fp8")).cuda()
+        layers = {"fp8 experts, rounded": build_moe_layer(config, FP4Options(experts="fp8")).cuda(),
                   "bf16 experts, rounded": build_moe_layer(config).cuda()}
-        assert isinstance(ours.experts, FP8Experts) and ours.token_dispatcher.payload_for_experts
+        assert isinstance(ours.experts, FP8Experts)
         for layer in layers.values():
             layer.load_state_dict(ours.state_dict())
             old = layer.token_dispatcher
@@ -218,7 +209,6 @@ def _check_fp8_experts(rank):
             )
         x, gy = _inputs(dist.get_rank(), 1)
         out, dx, grads = _run(ours, x, gy)
-        assert ours.token_dispatcher.expert_input_payload is None, "payload left behind"
         errors = {}
         for name, layer in layers.items():
             out_r, dx_r, grads_r = _run(layer, x, gy)
@@ -288,7 +278,7 @@ def _check_cache(rank, experts="bf16", whole_layer=False):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_fp4.integration import FP4DispatchOptions
+    from megatron_fp4.options import FP4Options
     from megatron_fp4.integration.standalone import build_moe_layer, build_transformer_layer
 
     build = build_transformer_layer if whole_layer else build_moe_layer
@@ -300,14 +290,14 @@ def _check_cache(rank, experts="bf16", whole_layer=False):
             # No dropout (the recipes have none): the two runs draw different masks from the RNG.
             config = _config(1, 2, False, recompute_granularity="selective", recompute_modules=modules,
                              attention_dropout=0.0, hidden_dropout=0.0)
-            uncached = build(config, FP4DispatchOptions(cache=False), experts=experts).cuda()
-            cached = build(config, FP4DispatchOptions(cache=True), experts=experts).cuda()
+            uncached = build(config, FP4Options(dispatch=True, experts=experts)).cuda()
+            cached = build(config, FP4Options(dispatch=True, cache=True, experts=experts)).cuda()
             if whole_layer:  # its layer norms are built in FP32; Megatron's Float16Module casts the model
                 uncached, cached = uncached.bfloat16(), cached.bfloat16()
             cached.load_state_dict(uncached.state_dict())
             moe = cached.mlp if whole_layer else cached
             assert moe.moe_layer_recompute and (cached.recompute_pre_mlp_layernorm if whole_layer else True)
-            cache = moe.token_dispatcher.recompute_cache
+            cache = moe.recompute_cache
             pairs = [_inputs(10 * dist.get_rank() + m, 1) for m in range(MICRO_BATCHES)]
             inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
             where = f"rank {rank} cache, recompute {modules}, {experts} experts"
@@ -379,7 +369,7 @@ def _check_cache_pipeline(rank, experts="bf16", virtual_stages=1):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import megatron_fp4.dispatch.token_dispatcher as token_dispatcher
-    from megatron_fp4.integration import FP4DispatchOptions
+    from megatron_fp4.options import FP4Options
     from megatron_fp4.integration.standalone import build_moe_layer
 
     vpp = virtual_stages if virtual_stages > 1 else None
@@ -401,8 +391,8 @@ def _check_cache_pipeline(rank, experts="bf16", virtual_stages=1):
                          virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.bfloat16)
         runs = {}
         for cache in (False, True):
-            runs[cache] = [_PipelineStage(build_moe_layer(config, FP4DispatchOptions(cache=cache), layer_number=1 + v,
-                                                          experts=experts).cuda(), config)
+            options = FP4Options(dispatch=True, cache=cache, experts=experts)
+            runs[cache] = [_PipelineStage(build_moe_layer(config, options, layer_number=1 + v).cuda(), config)
                            for v in range(virtual_stages)]
         for uncached, cached in zip(runs[False], runs[True]):
             cached.load_state_dict(uncached.state_dict())
@@ -420,7 +410,7 @@ def _check_cache_pipeline(rank, experts="bf16", virtual_stages=1):
         assert (sent_u, recomputed_u) == (2 * layer_passes, layer_passes), f"{where}: uncached sent {sent_u}"
         assert (sent_c, recomputed_c) == (layer_passes, 0), f"{where}: cached sent {sent_c}, {recomputed_c} in recomputes"
         for chunk in runs[True]:
-            assert len(chunk.layer.token_dispatcher.recompute_cache) == 0, f"{where}: entries left after the step"
+            assert len(chunk.layer.recompute_cache) == 0, f"{where}: entries left after the step"
         assert len(losses_c) == len(losses_u) == (MICRO_BATCHES if rank == 1 else 0), f"{where}: losses {losses_c}"
         for a, b in zip(losses_c, losses_u):
             assert torch.equal(a["loss"], b["loss"]), f"{where}: losses differ"
@@ -432,87 +422,16 @@ def _check_cache_pipeline(rank, experts="bf16", virtual_stages=1):
         parallel_state.destroy_model_parallel()
 
 
-def _layer_checks():
-    checks = [functools.partial(_check_layout, **dict(zip(("tp", "ep", "grad_format", "overlap"), layout)))
-              for layout in LAYOUTS]
-    caches = [functools.partial(_check_cache, experts=experts, whole_layer=whole)
-              for whole in (False, True) for experts in ("bf16", "fp8")]
-    return checks + [_check_fp8_experts] + caches
-
-
-def _pipeline_checks():
-    return [functools.partial(_check_cache_pipeline, experts=experts, virtual_stages=vpp)
-            for vpp in (1, 2) for experts in ("bf16", "fp8")]
-
-
-def _worker(rank, world, init_file, failures, make_checks, timeout_s):
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    # A rank stuck in communication prints every thread's stack before the parent kills it.
-    faulthandler.dump_traceback_later(max(timeout_s - 15, 5), exit=False)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=timeout_s))
-    # index_add / scatter_add in Megatron's (un)permute use atomics unless deterministic.
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    for check in make_checks():
-        name = getattr(check, "func", check).__name__ + str(getattr(check, "keywords", ""))
-        start = time.monotonic()
-        outcome = "done"
-        try:
-            check(rank)
-        except AssertionError as error:
-            failures.put(str(error))
-            outcome = f"failed: {error}"
-        except BaseException:
-            # Anything else leaves the peer waiting in a collective: report it and leave at once
-            # (destroy_process_group could block on that peer), after the queue has flushed.
-            print(f"rank {rank}: {name} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-            failures.put(f"rank {rank}: {name} raised {traceback.format_exc(limit=1)}")
-            failures.close()
-            failures.join_thread()
-            os._exit(1)
-        print(f"rank {rank}: {name} {outcome} in {time.monotonic() - start:.1f} s", flush=True)
-    faulthandler.cancel_dump_traceback_later()
-    dist.destroy_process_group()
-
-
-def _run_on_two_gpus(make_checks, timeout_s: int) -> None:
-    """Both ranks run the checks; assertion messages are collected. A rank stuck in communication
-    dumps its stacks and fails the test after timeout_s instead of blocking the suite."""
-    for knob in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(knob, "0" if knob == "NCCL_NVLS_ENABLE" else "1")
-    failures = mp.get_context("spawn").Queue()
-    problem = None
-    with tempfile.TemporaryDirectory() as tmp:
-        processes = mp.start_processes(_worker, args=(2, os.path.join(tmp, "init"), failures, make_checks, timeout_s),
-                                       nprocs=2, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not processes.join(timeout=5):
-                if time.monotonic() > deadline:
-                    for process in processes.processes:
-                        process.kill()
-                    problem = f"the ranks did not finish in {timeout_s} s (stuck in communication?)"
-                    break
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:  # a rank died or raised outside a check
-            problem = str(error)
-    fail_on_reports(failures, problem)
-
-
-def fail_on_reports(failures, problem=None) -> None:
-    """Fail the test with `problem` and every message the ranks put in `failures`, if any."""
-    found = [problem] if problem else []
-    while not failures.empty():
-        found.append(failures.get())
-    if found:
-        pytest.fail("\n".join(found))
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_fp4_moe_layer_equals_stock_layer_fed_reference_rounded_tokens_and_cache_replays_exactly():
-    _run_on_two_gpus(_layer_checks, timeout_s=400)
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_cache_through_megatrons_pipeline_schedule():
-    _run_on_two_gpus(_pipeline_checks, timeout_s=300)
+# Every scenario by name: one pytest item each (tests/distributed/test_moe_layer_scenarios.py).
+SCENARIOS = {
+    **{f"layout-tp{tp}-ep{ep}-{grad}" + ("-overlap" if overlap else ""):
+       functools.partial(_check_layout, tp=tp, ep=ep, grad_format=grad, overlap=overlap)
+       for tp, ep, grad, overlap in LAYOUTS},
+    "fp8-experts": _check_fp8_experts,
+    **{f"cache-{'transformer-layer' if whole else 'moe-layer'}-{experts}-experts":
+       functools.partial(_check_cache, experts=experts, whole_layer=whole)
+       for whole in (False, True) for experts in ("bf16", "fp8")},
+    **{f"cache-pipeline-vpp{vpp}-{experts}-experts":
+       functools.partial(_check_cache_pipeline, experts=experts, virtual_stages=vpp)
+       for vpp in (1, 2) for experts in ("bf16", "fp8")},
+}
