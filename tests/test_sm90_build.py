@@ -1,9 +1,14 @@
 """Every kernel compiles for sm_90 with Triton's own ptxas, on a CPU-only machine: the
-interpreter that runs the numerics tests accepts code the GPU compiler refuses."""
+interpreter that runs the numerics tests accepts code the GPU compiler refuses. Each kernel file
+declares its kernels' compile signatures (sm90_specs); sm90_build collects them."""
 
+import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "megatron_fp4"
 
 
 def test_kernels_compile_for_hopper():
@@ -16,3 +21,23 @@ def test_kernels_compile_for_hopper():
 
     expected = len(CHECKED_VARIANTS) * len(kernel_specs())
     assert expected == 3 * 9 and result.stdout.count("sm_90 ok:") == expected
+
+
+def _launched_kernels(path: Path):
+    """(module, name) of each @triton.jit function the file launches with a grid: `name[grid](...)`."""
+    tree = ast.parse(path.read_text())
+    jitted = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+              and any("jit" in ast.unparse(d) for d in node.decorator_list)}
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in jitted):
+            yield module, node.func.value.id
+
+
+def test_every_launched_kernel_declares_its_sm90_signature():
+    from megatron_fp4.kernels.sm90_build import kernel_specs
+
+    launched = {kernel for path in PACKAGE.rglob("*.py") for kernel in _launched_kernels(path)}
+    declared = {(spec.fn.fn.__module__, spec.fn.fn.__name__) for spec in kernel_specs()}  # .fn: the Python function
+    assert len(launched) == 9 and launched == declared, (launched - declared, declared - launched)

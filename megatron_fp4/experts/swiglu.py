@@ -9,7 +9,7 @@ in the same pass; torch.compile made two kernels of it, reading the input twice.
 Triton's interpreter both run eagerly, with the same arithmetic.
 """
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..kernels._bits import fp32_to_bf16_bits
 from ..kernels._checks import interpreter_enabled
+from ..kernels._sm90_spec import BuildVariant, KernelSpec
 
 _compiled: Dict[Callable, Callable] = {}
 
@@ -117,3 +118,15 @@ def swiglu_with_probs_backward(fc1_out: torch.Tensor, probs: torch.Tensor, grad:
             FFN=ffn, BLOCK_ROWS=block_rows, BLOCK_FFN=min(1024, triton.next_power_of_2(ffn)),
             GRAD_BF16=grad_bf16, PROBS_BF16=probs_bf16, num_warps=4)
     return grad_fc1_out, grad_probs
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """The backward kernel at FFN 2048 (BF16 gradients, fp32 probs), as sm90_build compiles it;
+    the same for every variant (no hidden size, no MXFP4 in it)."""
+    ffn, block_rows = 2048, 4
+    return [KernelSpec(
+        "swiglu_backward", _swiglu_backward_kernel,
+        {"fc1_out_ptr": "*bf16", "probs_ptr": "*fp32", "grad_ptr": "*bf16", "grad_fc1_out_ptr": "*i16",
+         "grad_probs_ptr": "*fp32", "num_rows": "i32", "offset": "fp32"},
+        {"FFN": ffn, "BLOCK_ROWS": block_rows, "BLOCK_FFN": 1024, "GRAD_BF16": True, "PROBS_BF16": False},
+        4, block_rows * ffn)]

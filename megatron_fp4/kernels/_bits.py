@@ -7,6 +7,9 @@ Every rounding step is done on integers so that the compiled kernels and the CPU
 import triton
 import triton.language as tl
 
+from ._format_constants import E4M3_NAN
+
+
 @triton.jit
 def unpack_float_pair(word, KIND: tl.constexpr):
     """One int32 (two 16-bit floats) or int64 (two fp32) -> the two elements as fp32 bit patterns
@@ -76,6 +79,21 @@ def fp32_bits_to_e4m3(bits):
 
 
 @triton.jit
+def fp8_block_scale(amax):
+    """FP8 scale of a block from the int32 bits of its largest |x| (NaN / Inf bits sort above every
+    finite value): the smallest power of two with amax / scale <= 448, never below 2^-126.
+    Returns (scale, NaN for a block holding NaN / Inf; 1 / scale; whether the block is NaN)."""
+    biased_exp = amax >> 23
+    # amax = 1.m * 2^E <= 448 * 2^k = 1.75 * 2^(k + 8): k = E - 8, plus 1 when 1.m > 1.75.
+    scale_exp = biased_exp - 8 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
+    scale_exp = tl.minimum(tl.maximum(scale_exp, 1), 253)  # biased: scale >= 2^-126
+    is_nan = biased_exp == 255  # fp32's all-ones exponent: NaN or Inf
+    inv_scale = ((254 - scale_exp) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(is_nan, float("nan"), (scale_exp << 23).to(tl.float32, bitcast=True))
+    return scale, inv_scale, is_nan
+
+
+@triton.jit
 def e4m3_to_fp32(byte):
     """fp32 value of an E4M3 byte (int32 0..255); 0x7F / 0xFF are NaN."""
     exponent = (byte >> 3) & 0xF
@@ -83,7 +101,7 @@ def e4m3_to_fp32(byte):
     normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
     subnormal = mantissa.to(tl.float32) * 0.001953125  # 2^-9
     value = tl.where(exponent == 0, subnormal, normal)
-    value = tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
+    value = tl.where((byte & 0x7F) == E4M3_NAN, float("nan"), value)
     # OR the sign bit in: negation may be lowered as 0 - x, which loses the sign of zero.
     return (value.to(tl.int32, bitcast=True) | ((byte & 0x80) << 24)).to(tl.float32, bitcast=True)
 
@@ -146,7 +164,7 @@ def fp4_word_to_fp8_fast(word, gap, is_nan):
     even = _fp8_bytes_of_codes_fast(word & _LOW_NIBBLES, exponent_base)
     odd = _fp8_bytes_of_codes_fast((word >> 4) & _LOW_NIBBLES, exponent_base)
     first, second = _interleave_bytes(even, odd)
-    nan4 = 0x7F7F7F7F
+    nan4 = E4M3_NAN * _BYTE_LSBS
     return tl.where(is_nan, nan4, first), tl.where(is_nan, nan4, second)
 
 
@@ -158,7 +176,7 @@ def fp4_word_to_fp8_exact(word, gap, is_nan):
     for n in tl.static_range(4):
         first |= e2m1_to_e4m3((word >> (4 * n)) & 0xF, gap) << (8 * n)
         second |= e2m1_to_e4m3((word >> (4 * n + 16)) & 0xF, gap) << (8 * n)
-    nan4 = 0x7F7F7F7F
+    nan4 = E4M3_NAN * _BYTE_LSBS
     return tl.where(is_nan, nan4, first), tl.where(is_nan, nan4, second)
 
 

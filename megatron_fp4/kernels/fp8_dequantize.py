@@ -1,6 +1,8 @@
 """FP8 1x128 (rowwise or colwise: the storage is the same) -> BF16: data * block scale in fp32,
 rounded to nearest even into bf16."""
 
+from typing import List
+
 import torch
 import triton
 import triton.language as tl
@@ -9,6 +11,7 @@ from ..formats import FP8_BLOCK
 from ..tensors import FP8BlockTensor
 from ._bits import e4m3_to_fp32, fp32_to_bf16_bits
 from ._checks import TileConfig, check_kernel_device
+from ._sm90_spec import BuildVariant, KernelSpec
 
 DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=4, num_warps=4)
 
@@ -60,3 +63,11 @@ def dequantize_fp8(t: FP8BlockTensor, config: TileConfig = DEFAULT_CONFIG) -> to
             num_warps=config.num_warps,
         )
     return out
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """The kernel at DEFAULT_CONFIG, as sm90_build compiles it."""
+    return [KernelSpec.tiled(
+        "dequantize_fp8", _dequantize_fp8_kernel,
+        {"data_pairs_ptr": "*i16", "scales_ptr": "*fp32", "out_pairs_ptr": "*i32", "num_rows": "i32"},
+        {"GROUPS_PER_ROW": variant.hidden // FP8_BLOCK}, DEFAULT_CONFIG, "BLOCK_GROUPS", FP8_BLOCK)]

@@ -5,14 +5,18 @@ power of two with amax / scale <= 448 (never below 2^-126); a group holding NaN 
 scale and NaN data. Rounding to E4M3 is integer, round to nearest even.
 """
 
+from typing import List
+
 import torch
 import triton
 import triton.language as tl
 
 from ..formats import FP8_BLOCK
 from ..tensors import ROWWISE, FP8BlockTensor
-from ._bits import fp32_bits_to_e4m3, unpack_float_pair
+from ._bits import fp32_bits_to_e4m3, fp8_block_scale, unpack_float_pair
 from ._checks import TileConfig, check_float_matrix, float_kind, pair_view
+from ._format_constants import E4M3_NAN
+from ._sm90_spec import BuildVariant, KernelSpec
 
 DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=4, num_warps=4)
 
@@ -38,19 +42,14 @@ def _quantize_fp8_rows_kernel(
     lo, hi = unpack_float_pair(words, KIND)
 
     amax = tl.max(tl.maximum(lo & 0x7FFFFFFF, hi & 0x7FFFFFFF), axis=2)
-    biased_exp = amax >> 23
-    # amax = 1.m * 2^E <= 448 * 2^k = 1.75 * 2^(k + 8): k = E - 8, plus 1 when 1.m > 1.75.
-    scale_exp = biased_exp - 8 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
-    scale_exp = tl.minimum(tl.maximum(scale_exp, 1), 253)  # biased: scale >= 2^-126
-    is_nan = biased_exp == 255
-    inv_scale = ((254 - scale_exp) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    scale, inv_scale, is_nan = fp8_block_scale(amax)
+    inv_scale = inv_scale[:, :, None]
 
     lo8 = fp32_bits_to_e4m3((lo.to(tl.float32, bitcast=True) * inv_scale).to(tl.int32, bitcast=True))
     hi8 = fp32_bits_to_e4m3((hi.to(tl.float32, bitcast=True) * inv_scale).to(tl.int32, bitcast=True))
-    pairs = tl.where(is_nan[:, :, None], 0x7F7F, lo8 | (hi8 << 8))
+    pairs = tl.where(is_nan[:, :, None], E4M3_NAN | (E4M3_NAN << 8), lo8 | (hi8 << 8))
     tl.store(out_pairs_ptr + offsets, pairs.to(tl.int16), mask=group_mask[:, :, None])
 
-    scale = tl.where(is_nan, float("nan"), (scale_exp << 23).to(tl.float32, bitcast=True))
     tl.store(scales_ptr + group[None, :].to(tl.int64) * num_rows + row2, scale, mask=group_mask)
 
 
@@ -75,3 +74,12 @@ def quantize_fp8_rows(x: torch.Tensor, config: TileConfig = DEFAULT_CONFIG) -> F
             num_warps=config.num_warps,
         )
     return FP8BlockTensor(data, block_scales, ROWWISE)
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """The kernel at DEFAULT_CONFIG, as sm90_build compiles it."""
+    return [KernelSpec.tiled(
+        "quantize_fp8_rows", _quantize_fp8_rows_kernel,
+        {"x_pairs_ptr": variant.pairs_pointer, "out_pairs_ptr": "*i16", "scales_ptr": "*fp32", "num_rows": "i32"},
+        {"GROUPS_PER_ROW": variant.hidden // FP8_BLOCK, "KIND": variant.input_kind},
+        DEFAULT_CONFIG, "BLOCK_GROUPS", FP8_BLOCK)]

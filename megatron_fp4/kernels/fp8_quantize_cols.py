@@ -7,15 +7,19 @@ column holding NaN / Inf gets a NaN scale and NaN data. Segments start at multip
 columns and are zero past their last token (`_segments.py`); counts stay on the device.
 """
 
+from typing import List
+
 import torch
 import triton
 import triton.language as tl
 
 from ..formats import FP8_BLOCK
 from ..tensors import COLWISE, FP8BlockTensor
-from ._bits import fp32_bits_to_e4m3, unpack_float_pair
+from ._bits import fp32_bits_to_e4m3, fp8_block_scale, unpack_float_pair
 from ._checks import TileConfig, check_float_matrix, float_kind, pair_view
+from ._format_constants import E4M3_NAN
 from ._segments import block_source_rows, check_segments, empty_colwise, experts_pow2
+from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 
 # block_cols counts pairs of hidden columns.
 DEFAULT_CONFIG = TileConfig(block_rows=FP8_BLOCK, block_cols=16, num_warps=4)
@@ -26,15 +30,9 @@ def _column_codes(bits):
     """bits [TOKENS, C] (fp32 bit patterns of one 128-token block) -> E4M3 codes and the fp32 scale
     of each column, as the row quantizer does along rows."""
     amax = tl.max(bits & 0x7FFFFFFF, axis=0)  # [C]; NaN / Inf have the largest bits
-    biased_exp = amax >> 23
-    # amax = 1.m * 2^E <= 448 * 2^k = 1.75 * 2^(k + 8): k = E - 8, plus 1 when 1.m > 1.75.
-    scale_exp = biased_exp - 8 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
-    scale_exp = tl.minimum(tl.maximum(scale_exp, 1), 253)  # biased: scale >= 2^-126
-    is_nan = biased_exp == 255
-    inv_scale = ((254 - scale_exp) << 23).to(tl.float32, bitcast=True)
+    scale, inv_scale, is_nan = fp8_block_scale(amax)
     codes = fp32_bits_to_e4m3((bits.to(tl.float32, bitcast=True) * inv_scale[None, :]).to(tl.int32, bitcast=True))
-    codes = tl.where(is_nan[None, :], 0x7F, codes)
-    scale = tl.where(is_nan, float("nan"), (scale_exp << 23).to(tl.float32, bitcast=True))
+    codes = tl.where(is_nan[None, :], E4M3_NAN, codes)
     return codes, scale
 
 
@@ -110,3 +108,15 @@ def quantize_fp8_cols(
         num_warps=config.num_warps,
     )
     return FP8BlockTensor(data, block_scales, COLWISE, segment_offsets)
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """The kernel at DEFAULT_CONFIG, as sm90_build compiles it."""
+    c = DEFAULT_CONFIG
+    return [KernelSpec(
+        "quantize_fp8_cols", _quantize_fp8_cols_kernel,
+        {"x_pairs_ptr": variant.pairs_pointer, "out_ptr": "*u8", "scales_ptr": "*fp32", "counts_ptr": "*i64",
+         "segment_offsets_ptr": "*i64", "num_rows": "i32", "num_experts": "i32", "capacity": "i32"},
+        {"HIDDEN": variant.hidden, "KIND": variant.input_kind, "EXPERTS_POW2": EXPERTS_POW2, "TOKENS": FP8_BLOCK,
+         "BLOCK_PAIRS": c.block_cols},
+        c.num_warps, FP8_BLOCK * c.block_cols * 2)]

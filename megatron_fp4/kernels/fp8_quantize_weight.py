@@ -20,8 +20,12 @@ import triton.language as tl
 
 from ..formats import FP8_BLOCK
 from ..tensors import FP8BlockWeight, padded_scale_columns
-from ._bits import fp32_bits_to_e4m3, unpack_float_pair
+from ._bits import fp32_bits_to_e4m3, fp8_block_scale, unpack_float_pair
 from ._checks import check_float_matrix, float_kind, pair_view
+from ._format_constants import E4M3_NAN
+from ._sm90_spec import BuildVariant, KernelSpec
+
+_NUM_WARPS = 8
 
 
 @triton.jit
@@ -53,17 +57,11 @@ def _quantize_fp8_weight_kernel(
     lo, hi = unpack_float_pair(words, KIND)
 
     amax = tl.max(tl.max(tl.maximum(lo & 0x7FFFFFFF, hi & 0x7FFFFFFF), axis=1), axis=0)
-    biased_exp = amax >> 23
-    # amax = 1.m * 2^E <= 448 * 2^k = 1.75 * 2^(k + 8): k = E - 8, plus 1 when 1.m > 1.75.
-    scale_exp = biased_exp - 8 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
-    scale_exp = tl.minimum(tl.maximum(scale_exp, 1), 253)  # biased: scale >= 2^-126
-    is_nan = biased_exp == 255
-    inv_scale = ((254 - scale_exp) << 23).to(tl.float32, bitcast=True)
+    scale, inv_scale, is_nan = fp8_block_scale(amax)
     lo8 = fp32_bits_to_e4m3((lo.to(tl.float32, bitcast=True) * inv_scale).to(tl.int32, bitcast=True))
     hi8 = fp32_bits_to_e4m3((hi.to(tl.float32, bitcast=True) * inv_scale).to(tl.int32, bitcast=True))
-    lo8 = tl.where(is_nan, 0x7F, lo8)
-    hi8 = tl.where(is_nan, 0x7F, hi8)
-    scale = tl.where(is_nan, float("nan"), (scale_exp << 23).to(tl.float32, bitcast=True))
+    lo8 = tl.where(is_nan, E4M3_NAN, lo8)
+    hi8 = tl.where(is_nan, E4M3_NAN, hi8)
 
     if TRANSPOSE:
         # Element (r, 2p) goes to out[2p, r] and (r, 2p + 1) to out[2p + 1, r]: rows of W^T.
@@ -113,7 +111,7 @@ def quantize_fp8_weights(weights: Sequence[torch.Tensor], transpose: bool = Fals
         KIND=float_kind(first.dtype),
         TRANSPOSE=transpose,
         BLOCK=FP8_BLOCK,
-        num_warps=8,
+        num_warps=_NUM_WARPS,
     )
     return [FP8BlockWeight(d, s) for d, s in zip(data, block_scales)]
 
@@ -142,3 +140,15 @@ def _address_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     else:
         _address_tables.move_to_end(key)
     return table
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """The kernel for a weight [2 x 2048, hidden] (fc1's shape), as sm90_build compiles it;
+    transposed when the variant's ceil_rule is off, so that both variants build."""
+    rows, transpose = 2 * 2048, not variant.ceil_rule
+    return [KernelSpec(
+        "quantize_fp8_weight", _quantize_fp8_weight_kernel,
+        {"w_addresses_ptr": "*i64", "out_ptr": "*u8", "scales_ptr": "*fp32"},
+        {"ROWS": rows, "COLS": variant.hidden, "SCALE_STRIDE": padded_scale_columns(variant.hidden),
+         "KIND": variant.input_kind, "TRANSPOSE": transpose, "BLOCK": FP8_BLOCK},
+        _NUM_WARPS, FP8_BLOCK * FP8_BLOCK)]

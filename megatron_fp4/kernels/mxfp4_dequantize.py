@@ -1,11 +1,16 @@
 """MXFP4 wire rows -> BF16 [T, H], one pass: each packed byte becomes one int32 holding two bf16."""
 
+from typing import List
+
 import torch
 import triton
 import triton.language as tl
 
+from ..formats import MXFP4_BLOCK
 from ..tensors import MXFP4Tensor
 from ._checks import TileConfig, check_kernel_device
+from ._format_constants import E8M0_NAN
+from ._sm90_spec import BuildVariant, KernelSpec
 
 DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=16, num_warps=4)
 
@@ -42,7 +47,7 @@ def _dequantize_mxfp4_kernel(
     scale_byte = tl.load(in_row + BLOCKS_PER_ROW * 16 + block[None, :], mask=block_mask, other=0).to(tl.int32)
     # 2^(byte - 127): byte 0 is the subnormal 2^-127, byte 255 a NaN that every product inherits.
     scale_bits = tl.where(scale_byte == 0, 0x00400000, scale_byte << 23)
-    scale = tl.where(scale_byte == 255, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)[:, :, None]
+    scale = tl.where(scale_byte == E8M0_NAN, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)[:, :, None]
     lo = _e2m1_times_scale_bf16(packed & 0xF, scale)
     hi = _e2m1_times_scale_bf16(packed >> 4, scale)
     out_offsets = row2[:, :, None] * (BLOCKS_PER_ROW * 16) + column
@@ -57,7 +62,7 @@ def dequantize_mxfp4(q: MXFP4Tensor, config: TileConfig = DEFAULT_CONFIG) -> tor
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     if q.num_tokens == 0:
         return out
-    blocks_per_row = q.hidden // 32
+    blocks_per_row = q.hidden // MXFP4_BLOCK
     grid = (triton.cdiv(q.num_tokens, config.block_rows), triton.cdiv(blocks_per_row, config.block_cols))
     _dequantize_mxfp4_kernel[grid](
         q.rows,
@@ -70,3 +75,11 @@ def dequantize_mxfp4(q: MXFP4Tensor, config: TileConfig = DEFAULT_CONFIG) -> tor
         num_warps=config.num_warps,
     )
     return out
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """The kernel at DEFAULT_CONFIG, as sm90_build compiles it."""
+    return [KernelSpec.tiled(
+        "dequantize_mxfp4", _dequantize_mxfp4_kernel,
+        {"rows_ptr": "*u8", "out_pairs_ptr": "*i32", "num_rows": "i32", "in_row_stride": "i32"},
+        {"BLOCKS_PER_ROW": variant.hidden // MXFP4_BLOCK}, DEFAULT_CONFIG, "BLOCK_COLS", MXFP4_BLOCK)]

@@ -8,7 +8,7 @@ bit for bit. The kernel is issue-bound before it is memory-bound: every instruct
 counts (scripts/kernel_sass_stats.py).
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import triton
@@ -18,6 +18,8 @@ from ..formats import MXFP4_BLOCK, check_scale_rule
 from ..tensors import MXFP4Tensor
 from ._bits import unpack_float_pair
 from ._checks import TileConfig, check_float_matrix, float_kind, pair_view
+from ._format_constants import E8M0_MAX_FINITE, E8M0_NAN
+from ._sm90_spec import BuildVariant, KernelSpec
 
 DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=32, num_warps=4)
 
@@ -71,9 +73,9 @@ def _quantize_mxfp4_kernel(
         scale_byte = biased_exp - 2 + ((amax & 0x7FFFFF) > 0x400000).to(tl.int32)
     else:
         scale_byte = biased_exp - 2
-    scale_byte = tl.minimum(tl.maximum(scale_byte, 0), 254)
-    is_nan = biased_exp == 255
-    scale_byte = tl.where(is_nan, 255, scale_byte)
+    scale_byte = tl.minimum(tl.maximum(scale_byte, 0), E8M0_MAX_FINITE)
+    is_nan = biased_exp == 255  # fp32's all-ones exponent: NaN or Inf
+    scale_byte = tl.where(is_nan, E8M0_NAN, scale_byte)
     # 2^(127 - byte): a normal fp32 for every finite byte (0..253).
     inv_scale = ((254 - tl.minimum(scale_byte, 253)) << 23).to(tl.float32, bitcast=True)[:, :, None]
 
@@ -122,3 +124,13 @@ def quantize_mxfp4(
         num_warps=config.num_warps,
     )
     return out
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """The kernel at DEFAULT_CONFIG, as sm90_build compiles it."""
+    return [KernelSpec.tiled(
+        "quantize_mxfp4", _quantize_mxfp4_kernel,
+        {"x_pairs_ptr": variant.pairs_pointer, "rows_ptr": "*u8", "num_rows": "i32", "x_row_stride": "i32",
+         "out_row_stride": "i32"},
+        {"BLOCKS_PER_ROW": variant.hidden // MXFP4_BLOCK, "KIND": variant.input_kind, "CEIL_RULE": variant.ceil_rule},
+        DEFAULT_CONFIG, "BLOCK_COLS", MXFP4_BLOCK)]

@@ -11,7 +11,7 @@ token. Per-expert token counts stay on the device: the output is sized for the w
 Blocks holding NaN / Inf (byte 255) take no part in S and become E4M3 NaN.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import triton
@@ -21,7 +21,9 @@ from ..formats import FP8_BLOCK, MXFP4_BLOCK
 from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, MXFP4Tensor
 from ._bits import fp4_word_to_fp8_exact, fp4_word_to_fp8_fast, fp4_words_need_exact_path, pow2_fp32
 from ._checks import TileConfig, check_hidden_multiple, check_kernel_device
+from ._format_constants import E8M0_NAN, FP4_TO_FP8_SCALE_BIAS
 from ._segments import block_source_rows, check_segments, empty_colwise, experts_pow2
+from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 
 # block_cols counts 128-element groups for rows and 32-element MXFP4 blocks for columns.
 DEFAULT_ROWS_CONFIG = TileConfig(block_rows=8, block_cols=8, num_warps=4)
@@ -38,10 +40,10 @@ def _group_scales(scale_word):
     b1 = (scale_word >> 8) & 0xFF
     b2 = (scale_word >> 16) & 0xFF
     b3 = (scale_word >> 24) & 0xFF
-    b0 = tl.where(b0 == 255, 0, b0)
-    b1 = tl.where(b1 == 255, 0, b1)
-    b2 = tl.where(b2 == 255, 0, b2)
-    b3 = tl.where(b3 == 255, 0, b3)
+    b0 = tl.where(b0 == E8M0_NAN, 0, b0)
+    b1 = tl.where(b1 == E8M0_NAN, 0, b1)
+    b2 = tl.where(b2 == E8M0_NAN, 0, b2)
+    b3 = tl.where(b3 == E8M0_NAN, 0, b3)
     return tl.maximum(tl.maximum(b0, b1), tl.maximum(b2, b3))
 
 
@@ -64,7 +66,7 @@ def _row_group_tile(rows_ptr, out_ptr, row, group, num_rows, in_row_stride, GROU
     scale_word = tl.load(in_row + GROUPS_PER_ROW * 16 + word // 16, mask=mask, other=0)
     scale_byte = (scale_word >> (sub_block * 8)) & 0xFF
     gap = _group_scales(scale_word) - scale_byte
-    is_nan = scale_byte == 255
+    is_nan = scale_byte == E8M0_NAN
     if EXACT:
         first, second = fp4_word_to_fp8_exact(words, gap, is_nan)
         needs_exact = 0
@@ -96,7 +98,7 @@ def _mxfp4_to_fp8_rows_kernel(
     group_mask = (row[:, None] < num_rows) & (group[None, :] < GROUPS_PER_ROW)
     scale_word = tl.load(rows_ptr + row[:, None].to(tl.int64) * in_row_stride + GROUPS_PER_ROW * 16 + group[None, :],
                          mask=group_mask, other=0)
-    scale = pow2_fp32(_group_scales(scale_word) - 133)
+    scale = pow2_fp32(_group_scales(scale_word) - FP4_TO_FP8_SCALE_BIAS)
     tl.store(scales_ptr + group[None, :].to(tl.int64) * num_rows + row[:, None], scale, mask=group_mask)
 
     if _row_group_tile(rows_ptr, out_ptr, row, group, num_rows, in_row_stride, GROUPS_PER_ROW, False) != 0:
@@ -200,9 +202,9 @@ def _mxfp4_to_fp8_cols_kernel(
     block = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     words, scale_byte = _load_token_chunk(rows_ptr, source_row, valid, block, in_row_stride, BLOCKS_PER_ROW)
     # S of each MXFP4 block column: the largest finite byte over the 128 tokens.
-    group_max = tl.max(tl.max(tl.where(scale_byte == 255, 0, scale_byte), axis=2), axis=0)  # [BLOCK_COLS]
+    group_max = tl.max(tl.max(tl.where(scale_byte == E8M0_NAN, 0, scale_byte), axis=2), axis=0)  # [BLOCK_COLS]
     gap = group_max[None, :, None] - scale_byte
-    is_nan = scale_byte == 255
+    is_nan = scale_byte == E8M0_NAN
 
     word_index = tl.program_id(1) * BLOCK_COLS * 4 + tl.arange(0, BLOCK_COLS * 4)
     hidden_limit = BLOCKS_PER_ROW * 32
@@ -222,12 +224,12 @@ def _mxfp4_to_fp8_cols_kernel(
             chunk_words, chunk_bytes = _load_token_chunk(rows_ptr, chunk_row, chunk_valid, block, in_row_stride,
                                                          BLOCKS_PER_ROW)
             first_c, second_c = fp4_word_to_fp8_exact(chunk_words, group_max[None, :, None] - chunk_bytes,
-                                                      chunk_bytes == 255)
+                                                      chunk_bytes == E8M0_NAN)
             _store_columns(out_words_ptr, tl.reshape(first_c, (_EXACT_TOKENS, BLOCK_COLS * 4)),
                            tl.reshape(second_c, (_EXACT_TOKENS, BLOCK_COLS * 4)), word_index, column_start + t,
                            capacity_words, hidden_limit, _EXACT_TOKENS, BLOCK_COLS * 4)
 
-    scale = pow2_fp32(group_max - 133)  # [BLOCK_COLS]
+    scale = pow2_fp32(group_max - FP4_TO_FP8_SCALE_BIAS)  # [BLOCK_COLS]
     scale_per_column = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_COLS, 32)), (BLOCK_COLS * 32,))
     hidden_index = tl.program_id(1) * BLOCK_COLS * 32 + tl.arange(0, BLOCK_COLS * 32)
     scale_offsets = tl.program_id(0).to(tl.int64) * hidden_limit + hidden_index
@@ -273,3 +275,22 @@ def mxfp4_to_fp8_cols(
         num_warps=config.num_warps,
     )
     return FP8BlockTensor(data, block_scales, COLWISE, segment_offsets)
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """Both kernels at their default configs, as sm90_build compiles them."""
+    c = DEFAULT_COLS_CONFIG
+    return [
+        KernelSpec.tiled("mxfp4_to_fp8_rows", _mxfp4_to_fp8_rows_kernel,
+                         {"rows_ptr": "*i32", "out_ptr": "*i64", "scales_ptr": "*fp32", "num_rows": "i32",
+                          "in_row_stride": "i32"},
+                         {"GROUPS_PER_ROW": variant.hidden // FP8_BLOCK}, DEFAULT_ROWS_CONFIG, "BLOCK_GROUPS",
+                         FP8_BLOCK),
+        KernelSpec("mxfp4_to_fp8_cols", _mxfp4_to_fp8_cols_kernel,
+                   {"rows_ptr": "*i32", "out_words_ptr": "*i32", "scales_ptr": "*fp32", "counts_ptr": "*i64",
+                    "segment_offsets_ptr": "*i64", "num_rows": "i32", "num_experts": "i32", "capacity": "i32",
+                    "in_row_stride": "i32"},
+                   {"BLOCKS_PER_ROW": variant.hidden // MXFP4_BLOCK, "EXPERTS_POW2": EXPERTS_POW2,
+                    "TOKENS": FP8_BLOCK, "BLOCK_COLS": c.block_cols},
+                   c.num_warps, FP8_BLOCK * c.block_cols * MXFP4_BLOCK),
+    ]
