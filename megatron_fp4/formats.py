@@ -4,6 +4,8 @@ DESIGN.md section 3 is normative; this module names its numbers once so that the
 the kernels and the tests cannot drift apart.
 """
 
+import enum
+
 import torch
 
 # MXFP4: 32 consecutive elements along the last dimension share one E8M0 scale byte.
@@ -40,7 +42,14 @@ FP8_128X128_BYTES_PER_ELEMENT = E4M3_BYTES + FP8_SCALE_BYTES / (FP8_BLOCK * FP8_
 # Transformer Engine's MXFP8 (E4M3 elements, one E8M0 byte per 32): only the estimator needs it.
 MXFP8_BYTES_PER_ELEMENT = E4M3_BYTES + E8M0_BYTES / MXFP4_BLOCK
 
-SCALE_RULES = ("ceil", "floor")
+class ScaleRule(enum.StrEnum):
+    """How an MXFP4 block's E8M0 scale is chosen from its amax."""
+
+    CEIL = "ceil"  # 2^ceil(log2(amax / 6)): never clips (the default)
+    FLOOR = "floor"  # OCP: 2^(floor(log2(amax)) - 2), saturates at 6
+
+
+SCALE_RULES = tuple(rule.value for rule in ScaleRule)
 
 # Input dtypes the quantizers accept.
 FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

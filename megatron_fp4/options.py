@@ -12,16 +12,11 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Callable, Optional, Tuple
 
-from .formats import FP8_BLOCK
+from .formats import FP8_BLOCK, ScaleRule
 
 # megatron-core release lines whose MoE seams (DESIGN §5) the dispatcher is written against and
 # tested with (tests/versions).
 SUPPORTED_MEGATRON_CORE = ((0, 18), (0, 19))
-
-
-class ScaleRule(enum.StrEnum):
-    CEIL = "ceil"  # 2^ceil(log2(amax / 6)): never clips
-    FLOOR = "floor"  # OCP: 2^(floor(log2(amax)) - 2), saturates at 6
 
 
 class GradFormat(enum.StrEnum):
