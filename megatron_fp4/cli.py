@@ -3,6 +3,8 @@
     megatron-fp4 estimate CONFIG.yaml     # per-GPU memory and all-to-all bytes (megatron_fp4.estimator)
     megatron-fp4 patch check|apply PATH   # patch a Megatron-LM tree (megatron_fp4.patching)
     megatron-fp4 argv CONFIG.yaml         # the Megatron command line a YAML config stands for
+
+estimate and argv refuse, in one sentence with exit status 2, a config that a launch would refuse.
 """
 
 import argparse

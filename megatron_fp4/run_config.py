@@ -1,5 +1,5 @@
 """YAML run configs: Megatron's own flag names (dashes as underscores) plus ours, turned into the
-command line of scripts/pretrain_gpt_fp4.py.
+command line of our launcher (megatron_fp4.launch), checked the way a launch checks it.
 
 A config file holds:
 - `include`: a file name or list of them, relative to this file, loaded first (later files and
@@ -11,17 +11,21 @@ A config file holds:
   switch can be turned off), a list writes its items after the flag, anything else one value.
 
 Unknown keys are an error that names the close matches; the flag names come from Megatron's parser
-(megatron.training.arguments) plus `add_fp4_args`, so they follow the installed release.
+(megatron.training.arguments) plus ours (`megatron_fp4.options.add_arguments`), so they follow the
+installed release. `validate_config` refuses what a launch of the config would refuse.
 """
 
 import argparse
 import difflib
 import functools
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from .options import FP4Options, Route, UnsupportedConfiguration, validate_args
 
 CLUSTER_KEYS = {"nodes": int, "gpus_per_node": int, "gpu_memory_gib": float}
 # How scripts/launch.py --enforce-memory-cap hands cluster.gpu_memory_gib to each training process.
@@ -51,10 +55,10 @@ def megatron_parser() -> argparse.ArgumentParser:
     """Megatron's full argument parser plus our flags (building it needs no GPU)."""
     from megatron.training.arguments import add_megatron_arguments
 
-    from .integration.args import add_fp4_args
+    from .options import add_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
-    return add_fp4_args(add_megatron_arguments(parser))
+    return add_arguments(add_megatron_arguments(parser))
 
 
 @functools.lru_cache(maxsize=1)
@@ -150,6 +154,33 @@ def parse_config_argv(config: RunConfig) -> argparse.Namespace:
     return megatron_parser().parse_args(config.argv())
 
 
+def planned_args(config: RunConfig, extra_argv=()) -> argparse.Namespace:
+    """The config's command line (then `extra_argv`, which wins; flags Megatron does not know are
+    left to the launch to report) parsed, plus the defaults Megatron's validate_args derives from
+    other flags, for the settings our refusals read. Megatron's own validation needs the target
+    machine (it checks FP8 support on the GPU), so a plan for another machine derives these few."""
+    args, _unknown = megatron_parser().parse_known_args([*config.argv(), *extra_argv])
+    if args.num_experts == 0:
+        args.num_experts = None
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    if args.ffn_hidden_size is None and args.hidden_size is not None:
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    return args
+
+
+def validate_config(config: RunConfig, extra_argv=()) -> FP4Options:
+    """The validation a launch of `config` (+ `extra_argv`) runs (megatron_fp4.options.validate,
+    launcher route), without the checks of this machine: the estimator and `scripts/launch.py
+    --dry-run` plan for another one. Raises UnsupportedConfiguration (one sentence naming the flag
+    to change)."""
+    return validate_args(planned_args(config, extra_argv), Route.LAUNCHER, environment=None)
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser("argv", help="print the Megatron command line a YAML config stands for")
     parser.add_argument("config", help="YAML run config")
@@ -159,12 +190,13 @@ def register(subparsers) -> None:
 def _run_argv(args) -> int:
     try:
         config = load_config(args.config)
-    except ConfigError as err:
-        print(f"error: {err}")
+        validate_config(config)
+    except (ConfigError, UnsupportedConfiguration) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     print(shlex.join(config.argv()))
     return 0
 
 
 __all__ = ["ConfigError", "GPU_MEMORY_CAP_ENV", "RunConfig", "flags_to_argv", "known_flags", "load_config",
-           "parse_config_argv"]
+           "parse_config_argv", "planned_args", "validate_config"]

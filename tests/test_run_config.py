@@ -1,5 +1,6 @@
 """YAML run configs: includes and overrides, unknown keys with close matches, YAML -> command line ->
-Megatron's parser round trip, and every shipped config loads."""
+Megatron's parser round trip, every shipped config loads, and a config is refused as a launch
+would refuse it."""
 
 import argparse
 from pathlib import Path
@@ -7,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from megatron_fp4.cli import main as cli_main
-from megatron_fp4.run_config import ConfigError, known_flags, load_config, parse_config_argv
+from megatron_fp4.options import FP4Options, UnsupportedConfiguration
+from megatron_fp4.run_config import (
+    ConfigError,
+    known_flags,
+    load_config,
+    parse_config_argv,
+    planned_args,
+    validate_config,
+)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SHIPPED = sorted(CONFIGS.glob("**/*.yaml"))
@@ -77,6 +86,7 @@ def test_shipped_config_round_trips_through_megatrons_parser(path):
             continue
         option, action = flags[name]
         assert getattr(args, action.dest) == _expected(action, value), f"{path.name}: {name}"
+    validate_config(config)  # a launch of it would not be refused
 
 
 def test_671b_configs_are_the_recipe():
@@ -94,7 +104,35 @@ def test_671b_configs_are_the_recipe():
 
 
 def test_cli_prints_the_command_line(tmp_path, capsys):
-    path = _write(tmp_path, "c.yaml", "num_layers: 2\nmoe_fp4_dispatch: true\n")
+    path = _write(tmp_path, "c.yaml", "num_layers: 2\nnum_experts: 4\nmoe_token_dispatcher_type: alltoall\n"
+                                      "moe_fp4_dispatch: true\n")
     assert cli_main(["argv", str(path)]) == 0
-    assert capsys.readouterr().out.strip() == "--num-layers 2 --moe-fp4-dispatch"
+    assert capsys.readouterr().out.strip() == ("--num-layers 2 --num-experts 4 --moe-token-dispatcher-type alltoall "
+                                               "--moe-fp4-dispatch")
     assert cli_main(["argv", str(_write(tmp_path, "bad.yaml", "num_layer: 2\n"))]) == 2
+
+
+def test_validate_config_refuses_what_a_launch_refuses(tmp_path, capsys):
+    path = _write(tmp_path, "allgather.yaml", f"include: {CONFIGS / 'proxy' / 'gpus2.yaml'}\nmoe_fp4_dispatch: true\n"
+                                              "moe_token_dispatcher_type: allgather\n")
+    with pytest.raises(UnsupportedConfiguration, match=r"needs --moe-token-dispatcher-type alltoall \(got allgather\)"):
+        validate_config(load_config(path))
+    assert cli_main(["argv", str(path)]) == 2
+    assert capsys.readouterr().err.startswith("error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall")
+    # Extra flags count; no CUDA is needed (the plan is for another machine).
+    proxy = load_config(CONFIGS / "proxy" / "gpus2.yaml")
+    assert validate_config(proxy, ["--moe-fp4-dispatch"]) == FP4Options(dispatch=True)
+    with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-cache needs --moe-fp4-dispatch"):
+        validate_config(proxy, ["--moe-fp4-cache"])
+
+
+def test_planned_args_derive_megatrons_defaults(tmp_path):
+    # Megatron's validate_args derives these; a refusal must see them (here: ETP = TP = 2).
+    path = _write(tmp_path, "etp.yaml", f"include: {CONFIGS / 'proxy' / 'gpus2.yaml'}\nmoe_fp4_dispatch: true\n"
+                                        "tensor_model_parallel_size: 2\nexpert_tensor_parallel_size: null\n"
+                                        "moe_ffn_hidden_size: null\nffn_hidden_size: null\n")
+    args = planned_args(load_config(path))
+    assert args.expert_tensor_parallel_size == 2
+    assert args.moe_ffn_hidden_size == args.ffn_hidden_size == int(4 * 1024 * 2 / 3 / 64) * 64  # SwiGLU
+    with pytest.raises(UnsupportedConfiguration, match="use --expert-tensor-parallel-size 1 .got 2."):
+        validate_config(load_config(path))
