@@ -1,9 +1,8 @@
-"""The pretraining launcher on CPU: --help, the refusal path, the proxy script's command line, and
-what the launcher builds from that command line (layer specs, mock data, loss) short of the model
-itself (Megatron's MoE layers allocate CUDA buffers and streams when built); the memory cap against
-a stand-in GPU."""
+"""The pretraining launcher (megatron_fp4.launch) on CPU: --help, the refusal path, the proxy
+script's command line, and what the launcher builds from that command line (layer specs, mock data,
+loss) short of the model itself (Megatron's MoE layers allocate CUDA buffers and streams when
+built); the memory cap against a stand-in GPU."""
 
-import importlib.util
 import os
 import shlex
 import shutil
@@ -16,18 +15,20 @@ import pytest
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.training import arguments as megatron_arguments
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import unset_global_variables
 
-from megatron_fp4.integration import FP4DispatchOptions, FP4MoELayer
+from megatron_fp4.experts import FP8Experts
+from megatron_fp4.integration import FP4MoELayer
+from megatron_fp4.launch import gpt, memory_cap, pretrain
+from megatron_fp4.launch.arguments import parse_launcher_args
+from megatron_fp4.options import FP4Options
+from megatron_fp4.run_config import GPU_MEMORY_CAP_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "scripts" / "pretrain_gpt_fp4.py"
 PROXY = ROOT / "scripts" / "train_proxy.sh"
-
-_spec = importlib.util.spec_from_file_location("pretrain_gpt_fp4", LAUNCHER)
-launcher = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(launcher)
 
 
 def proxy_command(nproc: str, *extra: str, **env: str) -> list:
@@ -70,9 +71,10 @@ def one_rank():
     torch.distributed.destroy_process_group()
 
 
-def test_help_lists_our_flags_and_megatrons():
-    result = subprocess.run([sys.executable, str(LAUNCHER), "--help"], capture_output=True, text=True, timeout=120,
-                            check=False)
+@pytest.mark.parametrize("entry_point", [[str(LAUNCHER)], ["-m", "megatron_fp4.launch"]], ids=["script", "module"])
+def test_help_lists_our_flags_and_megatrons(entry_point):
+    result = subprocess.run([sys.executable, *entry_point, "--help"], capture_output=True, text=True, timeout=120,
+                            check=False, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     for flag in ("--moe-fp4-dispatch", "--moe-fp4-dispatch-grad {bf16,fp8}", "--moe-fp4-scale-rule {ceil,floor}",
                  "--num-experts", "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--mtp-num-layers",
@@ -98,25 +100,46 @@ def test_proxy_script_syntax_and_command_line():
     assert refused.returncode == 2 and "no proxy config for 3 GPU(s)" in refused.stderr
 
 
-def test_refusal_stops_the_run_with_one_sentence(launcher_argv, capsys):
-    launcher_argv(["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
-                   "--max-position-embeddings", "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
-                   "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--num-experts", "4",
-                   "--moe-token-dispatcher-type", "allgather", "--moe-fp4-dispatch"])
+REFUSED_ARGV = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+                "--max-position-embeddings", "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
+                "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--num-experts", "4",
+                "--moe-token-dispatcher-type", "allgather", "--moe-fp4-dispatch"]
+
+
+@pytest.mark.parametrize("cuda, sentence", [
+    (True, "error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got allgather)"),
+    (False, "error: --moe-fp4-dispatch and --moe-fp4-experts fp8 need CUDA GPUs"),
+], ids=["with-cuda", "without-cuda"])  # (an id "gpu" would mark it GPU-only)
+def test_refusal_stops_the_run_with_one_sentence(launcher_argv, capsys, monkeypatch, cuda, sentence):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)  # the validation's view of this machine
+    launcher_argv(REFUSED_ARGV)
     with pytest.raises(SystemExit) as stop:
-        launcher.main()
+        pretrain.main()
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert "error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got allgather)" in err
+    assert sentence in err
     assert "Traceback" not in err
+
+
+def test_context_parallelism_is_refused_by_the_launcher(launcher_argv, capsys, monkeypatch):
+    # A GPU machine as Megatron's validation (which asks the GPU's architecture with CP) and ours see it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as scripts/launch.py sets it
+    # (a dry run of scripts/launch.py refuses it already, so the flag is added to its command here)
+    launcher_argv([*proxy_command("2"), "--context-parallel-size", "2"], world_size=4)
+    with pytest.raises(SystemExit) as stop:
+        pretrain.main()
+    assert stop.value.code == 2
+    assert "error: megatron_fp4's launcher does not slice batches for context parallelism" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fp4", [True, False])
 def test_proxy_specs_dense_first_then_moe_and_mtp(launcher_argv, one_rank, fp4):
     launcher_argv(proxy_command("2", FP4="1" if fp4 else "0"), world_size=2)
-    args = launcher.parse_launcher_args()
+    args = parse_launcher_args()
     assert args.moe_fp4_dispatch is fp4 and args.transformer_impl == "local"
-    decoder, mtp = launcher.build_specs(args, core_transformer_config_from_args(args))
+    decoder, mtp = gpt.build_specs(args, core_transformer_config_from_args(args))
 
     moe_class = FP4MoELayer if fp4 else MoELayer
     mlps = [layer.submodules.mlp for layer in decoder.layer_specs]
@@ -127,13 +150,24 @@ def test_proxy_specs_dense_first_then_moe_and_mtp(launcher_argv, one_rank, fp4):
     assert len(mtp_layers) == 1
     assert mtp_layers[0].submodules.mtp_model_layer.submodules.mlp.func is moe_class
     if fp4:
-        assert mlps[1].keywords["fp4_options"] == FP4DispatchOptions("ceil", "bf16")
+        assert mlps[1].keywords["fp4_options"] == FP4Options(dispatch=True, scale_rule="ceil", dispatch_grad="bf16")
+
+
+def test_proxy_specs_with_fp8_experts(launcher_argv, one_rank):
+    launcher_argv(proxy_command("2", "--moe-fp4-experts", "fp8"), world_size=2)
+    args = parse_launcher_args()
+    decoder, mtp = gpt.build_specs(args, core_transformer_config_from_args(args))
+    moe_layers = [layer.submodules.mlp for layer in decoder.layer_specs[1:]]
+    moe_layers.append(mtp.layer_specs[0].submodules.mtp_model_layer.submodules.mlp)
+    for moe in moe_layers:
+        assert moe.func is FP4MoELayer
+        assert moe.keywords["submodules"].experts.func is FP8Experts
 
 
 def test_mock_data_batches_and_loss(launcher_argv):
     launcher_argv(proxy_command("1", "--micro-batch-size", "2", "--train-iters", "3", "--eval-iters", "1"))
-    args = launcher.parse_launcher_args()
-    train, _, _ = launcher.train_valid_test_datasets_provider([6, 2, 2])
+    args = parse_launcher_args()
+    train, _, _ = gpt.train_valid_test_datasets_provider([6, 2, 2])
     sample = train[0]
     assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}  # no mask: built in attention
     assert sample["tokens"].shape == (args.seq_length,)
@@ -141,22 +175,22 @@ def test_mock_data_batches_and_loss(launcher_argv):
 
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
-    loss, num_tokens, report = launcher.loss_func(mask, per_token)
+    loss, num_tokens, report = gpt.loss_func(mask, per_token)
     assert loss.item() == 13.0 and num_tokens.item() == 4
     assert report["lm loss"].tolist() == [13.0, 4.0]
 
 
 def test_memory_fraction_of_a_cap():
     total = 140 * 2**30
-    assert launcher.memory_fraction(14, total) == 0.1
-    assert launcher.memory_fraction(1, 2**30) == 1.0  # the whole GPU is allowed
+    assert memory_cap.memory_fraction(14, total) == 0.1
+    assert memory_cap.memory_fraction(1, 2**30) == 1.0  # the whole GPU is allowed
     # A nominal "80 GB" cap on an H100 that reports 79.2 GiB: the whole GPU, not a refusal.
-    assert launcher.memory_fraction(80, 85_032_697_856) == 1.0
+    assert memory_cap.memory_fraction(80, 85_032_697_856) == 1.0
     for bad in (0, -1, float("nan")):
         with pytest.raises(ValueError, match="positive number of GiB"):
-            launcher.memory_fraction(bad, total)
+            memory_cap.memory_fraction(bad, total)
     with pytest.raises(ValueError, match="a 200 GiB cap is more than this GPU's 140.0 GiB"):
-        launcher.memory_fraction(200, total)
+        memory_cap.memory_fraction(200, total)
 
 
 @pytest.fixture
@@ -172,13 +206,13 @@ def fake_gpu(monkeypatch):
 
 
 def test_memory_cap_comes_from_the_environment(monkeypatch, fake_gpu, capsys):
-    monkeypatch.delenv(launcher.GPU_MEMORY_CAP_ENV, raising=False)
-    launcher.apply_memory_cap(1)
+    monkeypatch.delenv(GPU_MEMORY_CAP_ENV, raising=False)
+    memory_cap.apply_memory_cap(1)
     assert fake_gpu == []  # no variable, no cap
 
-    monkeypatch.setenv(launcher.GPU_MEMORY_CAP_ENV, "14")
+    monkeypatch.setenv(GPU_MEMORY_CAP_ENV, "14")
     monkeypatch.setenv("RANK", "3")
-    launcher.apply_memory_cap(1)
+    memory_cap.apply_memory_cap(1)
     assert fake_gpu == [("set_device", 1), ("fraction", 14 / 16, 1)]
     assert "rank 3: capping this process's CUDA memory at 14 GiB of 16.0 GiB" in capsys.readouterr().out
 
@@ -187,22 +221,22 @@ def test_memory_cap_comes_from_the_environment(monkeypatch, fake_gpu, capsys):
                                             ("0", "the cap must be a positive number of GiB, got 0.0."),
                                             ("lots", "could not convert string to float")])
 def test_memory_cap_refusals(monkeypatch, fake_gpu, capsys, value, message):
-    monkeypatch.setenv(launcher.GPU_MEMORY_CAP_ENV, value)
+    monkeypatch.setenv(GPU_MEMORY_CAP_ENV, value)
     with pytest.raises(SystemExit) as stop:
-        launcher.apply_memory_cap(0)
+        memory_cap.apply_memory_cap(0)
     assert stop.value.code == 2 and fake_gpu == []
-    assert f"error: {launcher.GPU_MEMORY_CAP_ENV}={value}: {message}" in capsys.readouterr().err
+    assert f"error: {GPU_MEMORY_CAP_ENV}={value}: {message}" in capsys.readouterr().err
 
 
 def test_memory_cap_needs_a_gpu(monkeypatch, capsys):
-    monkeypatch.setenv(launcher.GPU_MEMORY_CAP_ENV, "14")
+    monkeypatch.setenv(GPU_MEMORY_CAP_ENV, "14")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stop:
-        launcher.apply_memory_cap(0)
+        memory_cap.apply_memory_cap(0)
     assert stop.value.code == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
 
 
 def test_memory_cap_goes_to_the_local_rank(launcher_argv, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     launcher_argv(proxy_command("2"), world_size=2)
-    assert launcher.parse_launcher_args().local_rank == 1  # what main() passes to apply_memory_cap
+    assert parse_launcher_args().local_rank == 1  # what main() passes to apply_memory_cap

@@ -1,0 +1,30 @@
+"""Our launcher's main: parse, validate, cap memory, then Megatron's pretrain()."""
+
+import warnings
+
+import torch
+from megatron.core.enums import ModelType
+from megatron.training import pretrain
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+from ..options import Route
+from .arguments import parse_launcher_args
+from .gpt import forward_step, model_provider, train_valid_test_datasets_provider
+from .memory_cap import apply_memory_cap
+from .refusal import check_args
+from .workarounds import use_prebuilt_dataset_helpers
+
+
+def main():
+    args = parse_launcher_args()
+    check_args(args, Route.LAUNCHER)  # right after Megatron's own validation, before any GPU work
+    apply_memory_cap(args.local_rank)
+
+    use_prebuilt_dataset_helpers()
+    with warnings.catch_warnings():  # it recommends a model config; we pass a model provider
+        warnings.simplefilter("ignore")
+        cfg = pretrain_cfg_container_from_args(args)
+    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+             model_provider=model_provider)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
