@@ -115,3 +115,26 @@ def test_memory_cap_needs_the_configs_gpu_memory(tmp_path):
     result = _dry_run(str(config), "--enforce-memory-cap")
     assert result.returncode == 2
     assert f"error: --enforce-memory-cap needs cluster.gpu_memory_gib in {config}" in result.stderr
+
+
+def test_dry_run_refuses_what_a_launch_refuses(tmp_path):
+    # The launch's own validation (megatron_fp4.options), without this machine's checks: a dry run
+    # plans for another machine. A refusal prints no torchrun command.
+    allgather = tmp_path / "fp4_allgather.yaml"
+    allgather.write_text(f"include: {ROOT / 'configs' / 'proxy' / 'gpus2.yaml'}\nmoe_fp4_dispatch: true\n"
+                         "moe_token_dispatcher_type: allgather\n")
+    refused = _dry_run(str(allgather))
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert _errors(refused) == ["error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got allgather): "
+                                "it replaces that dispatcher's all-to-all."]
+    # Extra flags are validated with the config's.
+    cache = _dry_run("configs/proxy/gpus2.yaml", "--moe-fp4-dispatch", "--moe-fp4-cache")
+    assert cache.returncode == 2 and cache.stdout == ""
+    [error] = _errors(cache)
+    assert error.startswith("error: --moe-fp4-cache serves only the recompute of whole MoE layers")
+
+
+def _errors(result):
+    """The error lines (stderr also has the warnings of importing Megatron without its kernels)."""
+    assert "Traceback" not in result.stderr
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
