@@ -301,3 +301,20 @@ def test_fp4_cache_memory_matches_the_measured_cost():
     cache_cost = peak[True] - peak[False]
     measured_cost = (measured_mib[True] - measured_mib[False]) * MIB
     assert abs(cache_cost - measured_cost) / measured_cost < 0.05
+
+
+def test_estimate_refuses_what_a_launch_refuses(tmp_path, capsys):
+    # The launch's own validation (megatron_fp4.options), without this machine's checks.
+    allgather = tmp_path / "fp4_allgather.yaml"
+    allgather.write_text(f"include: {PROXY / 'gpus2.yaml'}\nmoe_fp4_dispatch: true\n"
+                         "moe_token_dispatcher_type: allgather\n")
+    assert _main(["estimate", str(allgather)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got allgather): "
+                            "it replaces that dispatcher's all-to-all.\n")
+    # A --set override is validated too; the same config without it estimates.
+    fp4 = str(PROXY / "memcap_fp4_attn.yaml")
+    assert _main(["estimate", "--set", "moe_fp4_cache=true", fp4]) == 2
+    assert "error: --moe-fp4-cache serves only the recompute of whole MoE layers" in capsys.readouterr().err
+    assert _main(["estimate", fp4]) == 0

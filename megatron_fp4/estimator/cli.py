@@ -5,8 +5,9 @@ import sys
 
 import yaml
 
-from ..run_config import ConfigError
-from .core import estimate
+from ..options import UnsupportedConfiguration
+from ..run_config import ConfigError, load_config, validate_config
+from .core import apply_overrides, estimate
 from .report import as_json, detail, table
 from .shapes import EstimateError
 
@@ -70,11 +71,13 @@ def run(args) -> int:
     estimates = []
     try:
         for path in args.configs:
+            # Refuse what a launch of this config would refuse (the plan is for another machine).
+            validate_config(apply_overrides(load_config(path), overrides))
             first = estimate(path, modes[0], overrides)
             estimates.append(first)
             if first.precision.name == "fp4" and len(modes) > 1:
                 estimates.append(estimate(path, modes[1], overrides))
-    except (ConfigError, EstimateError) as err:
+    except (ConfigError, EstimateError, UnsupportedConfiguration) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
