@@ -1,0 +1,95 @@
+"""Version truth: each megatron-core release in megatron_versions.txt (one per release line the
+start-up check accepts) runs forward + backward of the FP4 MoE layer with each feature, on CPU
+(torch.cuda emulated, one gloo pair = EP 2), against that release's own wheel installed by .ci/run
+into .megatron-versions/<version>/. One pytest item per (version, scenario), e.g.
+`pytest tests/versions -k "0.18.2 and cache"`. What each scenario checks: tests/versions/worker.py."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+VERSIONS_DIR = ROOT / ".megatron-versions"
+VERSIONS = [line.strip() for line in (HERE / "megatron_versions.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+
+# name: (worker check and its arguments, timeout in seconds). Every layer has a shared expert (no
+# overlap unless named); features share an item where that costs one layer, not one process pair.
+SCENARIOS = {
+    "dispatch-bf16-ceil-saved-input": ({"check": "dispatch", "saved_input": True}, 180),
+    "dispatch-fp8-floor-shared-overlap": (
+        {"check": "dispatch", "dispatch_grad": "fp8", "scale_rule": "floor", "overlap": True}, 180),
+    "cache": ({"check": "cache"}, 180),
+    "fp8-experts": ({"check": "fp8_experts"}, 240),
+}
+WORLD = 2
+
+
+def _version_folder(version: str) -> Path:
+    folder = VERSIONS_DIR / version
+    if not (folder / "megatron" / "core" / "package_info.py").is_file():
+        why = (f"megatron-core {version} is not installed in {folder}: run .ci/run, or "
+               f"`pip install --no-deps --target {folder} megatron-core=={version}`")
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)  # CI installs it: a missing folder there is a broken install, not a skip
+        pytest.skip(why)
+    return folder
+
+
+def _run_pair(folder: Path, version: str, scenario: dict, timeout_s: int):
+    """Both ranks as fresh processes; (return codes, outputs). Killed after timeout_s."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)  # the worker puts the version folder first itself
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(WORLD)]
+        ranks = [subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(r), str(WORLD), str(Path(tmp) / "init"),
+                                   str(folder), version, json.dumps(scenario)],
+                                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                 for r, log in enumerate(logs)]
+        codes = []
+        try:
+            for rank in ranks:
+                codes.append(rank.wait(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            codes.append(f"timed out after {timeout_s} s")
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+    return codes, outputs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation of the CUDA paths")
+@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fp4_moe_layer_forward_backward(version, name):
+    folder = _version_folder(version)
+    scenario, timeout_s = SCENARIOS[name]
+    codes, outputs = _run_pair(folder, version, scenario, timeout_s)
+    report = "\n".join(f"--- rank {r} (exit {c}):\n{o[-4000:]}" for r, (c, o) in enumerate(zip(codes, outputs)))
+    assert codes == [0] * WORLD, report
+    results = [json.loads(row[len("RESULT "):]) for o in outputs for row in o.splitlines() if row.startswith("RESULT ")]
+    assert [r["rank"] for r in results] == list(range(WORLD)), report
+    assert all(r["megatron_core"].split("+")[0] == version for r in results), report
+
+
+def test_the_matrix_covers_every_release_line_the_start_up_check_accepts():
+    from megatron_fp4.options import SUPPORTED_MEGATRON_CORE
+
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_MEGATRON_CORE
+    assert low_major == high_major == 0, "the range below assumes 0.x lines"
+    lines = sorted(tuple(int(n) for n in version.split(".")[:2]) for version in VERSIONS)
+    assert lines == [(0, minor) for minor in range(low_minor, high_minor + 1)], (lines, SUPPORTED_MEGATRON_CORE)
