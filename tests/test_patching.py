@@ -2,11 +2,10 @@
 
 Each release line's patch set is checked, applied, re-applied ("already applied") and reverted on
 the megatron-core sdist it was made against (downloaded once with pip into a cache; a failed
-download fails the test under CI=... and skips it elsewhere). The patched 0.19 and 0.15 trees are
+download fails the test under CI=... and skips it elsewhere). The patched 0.19 and 0.18 trees are
 then imported in a subprocess (PYTHONPATH=tree): MoELayer builds our dispatcher only when the config
 asks for it, parse_args offers our flags only when megatron_fp4 is importable, and
-core_transformer_config_from_args carries them onto the config (0.19; the 0.15 sdist has no
-megatron/training). The rest (version detection, the diff engine, conflict reports) needs no network.
+core_transformer_config_from_args carries them onto the config. The rest (version detection, the diff engine, conflict reports) needs no network.
 """
 
 import argparse
@@ -169,28 +168,33 @@ def test_version_detection(tmp_path):
 
 
 def test_release_lines():
-    for version, name in [((0, 15, 0), "core_r0.15"), ((0, 15, 3), "core_r0.15"), ((0, 17, 1), "core_r0.17"),
-                          ((0, 18, 0), "core_r0.18"), ((0, 19, 0), "core_r0.19")]:
+    for version, name in [((0, 18, 0), "core_r0.18"), ((0, 18, 2), "core_r0.18"), ((0, 19, 0), "core_r0.19"),
+                          ((0, 19, 2), "core_r0.19")]:
         assert patching.release_line_for(patching.MegatronVersion(*version)).name == name
-    with pytest.raises(patching.PatchError) as refused:
-        patching.release_line_for(patching.MegatronVersion(0, 16, 1))
-    message = str(refused.value)
-    assert "megatron-core 0.16.1 (release line core_r0.16) has no patch here" in message
-    for line in patching.RELEASE_LINES:
-        assert f"{line.name} ({line.version[0]}.{line.version[1]}.x)" in message
+    # 0.15 and 0.17 had patch sets once; the plugin refuses them now, so they have none.
+    for unsupported in ((0, 15, 3), (0, 16, 1), (0, 17, 1), (0, 20, 0)):
+        with pytest.raises(patching.PatchError) as refused:
+            patching.release_line_for(patching.MegatronVersion(*unsupported))
+        message = str(refused.value)
+        version = ".".join(map(str, unsupported))
+        assert f"megatron-core {version} (release line core_r0.{unsupported[1]}) has no patch here" in message
+        for line in patching.RELEASE_LINES:
+            assert f"{line.name} ({line.version[0]}.{line.version[1]}.x)" in message
     for name in ("core_r0.19", "0.19", "0.19.x"):
         assert patching.release_line_named(name).name == "core_r0.19"
-    with pytest.raises(patching.PatchError, match="no patch set 'core_r0.16'"):
-        patching.release_line_named("core_r0.16")
+    for name in ("core_r0.16", "core_r0.17"):
+        with pytest.raises(patching.PatchError, match=f"no patch set '{name}'"):
+            patching.release_line_named(name)
 
 
-def test_release_line_notes_follow_the_plugins_supported_range():
-    """A line outside the megatron-core releases our dispatcher is written for says so when used."""
-    from megatron_fp4.integration.args import SUPPORTED_MEGATRON_CORE
+def test_release_lines_are_the_plugins_supported_range():
+    """A patch set for every release line the plugin accepts, and for no other."""
+    from megatron_fp4.options import SUPPORTED_MEGATRON_CORE
 
-    low, high = SUPPORTED_MEGATRON_CORE
-    for line in patching.RELEASE_LINES:
-        assert bool(line.note) == (not low <= line.version <= high), line.name
+    (major, low), (high_major, high) = SUPPORTED_MEGATRON_CORE
+    assert major == high_major
+    assert [line.version for line in patching.RELEASE_LINES] == [(major, minor) for minor in range(low, high + 1)]
+    assert sorted(p.name for p in patching.PATCH_DIR.iterdir() if p.is_dir()) == [l.name for l in patching.RELEASE_LINES]
 
 
 def test_patch_sets_are_small_and_touch_only_the_expected_files():
@@ -242,7 +246,7 @@ def test_unsupported_release_and_not_a_tree(tmp_path, capsys):
     code, out = _run(capsys, "check", tree)
     assert code == 2
     assert "megatron-core 0.16.1 (release line core_r0.16) has no patch here" in out
-    assert "core_r0.15 (0.15.x)" in out and "core_r0.19 (0.19.x)" in out
+    assert "core_r0.18 (0.18.x)" in out and "core_r0.19 (0.19.x)" in out
     code, out = _run(capsys, "apply", tmp_path)
     assert code == 2 and "is not a Megatron-LM or megatron-core source tree" in out
 
@@ -316,14 +320,12 @@ def test_engine_keeps_crlf_and_rejects_malformed_patches():
 def test_check_apply_reapply_revert(line_name, pristine, tmp_path, capsys):
     line = LINES[line_name]
     tree = _copy(pristine(line.made_against), tmp_path)
-    has_training = (tree / "megatron" / "training").is_dir()
+    assert (tree / "megatron" / "training").is_dir()  # the sdists of the supported lines ship it
     assert patching.detect_version(tree) == patching.MegatronVersion(*map(int, line.made_against.split(".")))
     original = _hashes(tree)
 
     # The patch files are ordinary unified diffs: GNU patch and git apply accept them too.
     for part in patching.load_parts(line):
-        if part.name == "training" and not has_training:
-            continue
         for tool in (["patch", "--dry-run", "--force", "-p1", "-i"], ["git", "apply", "--check", "-p1"]):
             if shutil.which(tool[0]):
                 done = subprocess.run(tool + [str(part.path)], cwd=tree, capture_output=True, text=True)
@@ -333,11 +335,7 @@ def test_check_apply_reapply_revert(line_name, pristine, tmp_path, capsys):
     assert code == 0, out
     assert f"megatron-core {line.made_against}; using the {line.name} patch set" in out
     assert "core part (core.patch): applies cleanly" in out and "Check passed" in out
-    if has_training:
-        assert "training part (training.patch): applies cleanly" in out
-    else:
-        assert "training part (training.patch): skipped: this tree has no megatron/training" in out
-    assert ("Note: " in out) == bool(line.note)
+    assert "training part (training.patch): applies cleanly" in out
     assert _hashes(tree) == original
 
     code, out = _run(capsys, "apply", tree)
@@ -347,14 +345,13 @@ def test_check_apply_reapply_revert(line_name, pristine, tmp_path, capsys):
     moe = (tree / MOE_LAYER).read_text()
     assert 'fp4_dispatch = getattr(config, "moe_fp4_dispatch", False)' in moe
     assert 'elif config.moe_token_dispatcher_type == "alltoall" and fp4_dispatch:' in moe
-    assert "options=FP4DispatchOptions.from_args(config)" in moe
+    assert "options=FP4Options.from_config(config), route=Route.PATCH," in moe
     for name in _changed(original, patched):
         compile((tree / name).read_text(), name, "exec")
-    if has_training:
-        assert "parser = add_fp4_args(parser)" in (tree / ARGUMENTS).read_text()
-        (config_file,) = [name for name in (ARGUMENTS, ARGUMENT_UTILS) if (tree / name).is_file()
-                          and "def core_transformer_config_from_args" in (tree / name).read_text()]
-        assert "setattr(config, name, value)" in (tree / config_file).read_text()
+    assert "parser = add_arguments(parser)" in (tree / ARGUMENTS).read_text()
+    (config_file,) = [name for name in (ARGUMENTS, ARGUMENT_UTILS) if (tree / name).is_file()
+                      and "def core_transformer_config_from_args" in (tree / name).read_text()]
+    assert "setattr(config, name, value)" in (tree / config_file).read_text()
 
     for action in ("apply", "check"):
         code, out = _run(capsys, action, tree)
@@ -367,20 +364,6 @@ def test_check_apply_reapply_revert(line_name, pristine, tmp_path, capsys):
     assert _hashes(tree) == original
     code, out = _run(capsys, "revert", tree)
     assert code == 0 and "nothing to revert" in out
-
-
-def test_the_0_15_training_part_fits_megatron_training_of_0_17(pristine, tmp_path):
-    """The megatron-core 0.15 sdist has no megatron/training; 0.17.1 is the oldest sdist that has. The
-    0.15 training part (anchored on lines unchanged from the 0.15 era to 0.17.1) applies there and
-    gives exactly what the 0.17 training part gives."""
-    tree = _copy(pristine(LINES["core_r0.17"].made_against), tmp_path)
-    results = {}
-    for name in ("core_r0.15", "core_r0.17"):
-        (training,) = [p for p in patching.load_parts(LINES[name]) if p.name == "training"]
-        result = patching.check_part(training, tree)
-        assert result.status == APPLIES, name
-        results[name] = {f.patch.path: f.new_text for f in result.files}
-    assert results["core_r0.15"] == results["core_r0.17"]
 
 
 def test_conflicts_are_explained_in_plain_words(pristine, tmp_path, capsys):
@@ -486,7 +469,7 @@ built = []
 def recorder(name):
     def build(*args, **kwargs):
         options = kwargs.get("options")
-        built.append([name, options and {"scale_rule": options.scale_rule, "grad_format": options.grad_format}])
+        built.append([name, options and {"scale_rule": str(options.scale_rule), "dispatch_grad": str(options.dispatch_grad)}])
         raise Stop  # the rest of the layer (experts) is not what this test is about
 
     return build
@@ -552,7 +535,7 @@ token_dispatcher.FP4AlltoAllTokenDispatcher = recorder("fp4")
 report["fp4_layer"] = build_layer(moe_fp4_dispatch=True, moe_fp4_scale_rule="floor", moe_fp4_dispatch_grad="fp8")
 report["off_layer"] = build_layer(moe_fp4_dispatch=False)
 if has_training:
-    from megatron_fp4.integration import FP4DispatchUnsupported, add_fp4_args
+    from megatron_fp4.options import UnsupportedConfiguration as FP4DispatchUnsupported, add_arguments as add_fp4_args
 
     torch.cuda.is_available = lambda: True  # the refusals check for GPUs; this is a CPU test
     args = parse(base + fp4_flags)
@@ -569,16 +552,14 @@ print("REPORT " + json.dumps(report))
 '''
 
 
-@pytest.mark.parametrize("line_name", ["core_r0.19", "core_r0.15"])
+@pytest.mark.parametrize("line_name", ["core_r0.19", "core_r0.18"])
 def test_patched_tree_imports_and_picks_the_dispatcher(line_name, pristine, tmp_path, capsys):
     line = LINES[line_name]
     tree = _copy(pristine(line.made_against), tmp_path)
     assert _run(capsys, "apply", tree)[0] == 0
     probe = tmp_path / "probe.py"
     probe.write_text(_PROBE)
-    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1",
-               # 0.15 builds a CUDA extension on import; with no GPU arch it raises instead of skipping it.
-               TORCH_CUDA_ARCH_LIST="9.0", TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
+    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, str(probe), str(tree), str(tmp_path / "store")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     reports = [row for row in done.stdout.splitlines() if row.startswith("REPORT ")]
@@ -588,10 +569,7 @@ def test_patched_tree_imports_and_picks_the_dispatcher(line_name, pristine, tmp_
     assert report["moe_layer_file"] == str(tree / MOE_LAYER)
     assert report["stock_layer"] == ["stock", None]
     assert report["off_layer"] == ["stock", None]
-    assert report["fp4_layer"] == ["fp4", {"scale_rule": "floor", "grad_format": "fp8"}]
-    if not (tree / "megatron" / "training").is_dir():
-        assert line_name == "core_r0.15"
-        return
+    assert report["fp4_layer"] == ["fp4", {"scale_rule": "floor", "dispatch_grad": "fp8"}]
     fp4 = {"moe_fp4_dispatch": True, "moe_fp4_dispatch_grad": "fp8", "moe_fp4_scale_rule": "floor"}
     assert report["arguments_file"] == str(tree / ARGUMENTS)
     assert report["hidden_args"] == {} and report["hidden_config"] == {}

@@ -10,8 +10,8 @@ a Megatron-LM fork. (The plugin route, `megatron_fp4.integration.use_fp4_dispatc
 The tree's version is read from megatron/core/package_info.py; the patch set of its release line
 (megatron_fp4/patching/patches/core_r0.MINOR/) is used. Each set has two parts, each a unified diff that `git apply` and
 `patch -p1` also accept: core.patch (megatron/core) and training.patch (megatron/training); the
-training part is skipped for trees without megatron/training (the megatron-core 0.15 and 0.16
-sdists). Patches are checked and applied in pure Python (megatron_fp4.patching.unified_diff),
+training part is skipped for trees without megatron/training (a checkout of megatron/core
+alone). Patches are checked and applied in pure Python (megatron_fp4.patching.unified_diff),
 strictly: no fuzz, any offset. Exit status: 0 done (or nothing to do), 1 conflict (nothing was
 written), 2 cannot proceed (not a Megatron tree, unsupported release, missing patch files).
 """
@@ -55,19 +55,11 @@ class ReleaseLine:
     name: str  # the patch set's folder, after Megatron-LM's release branches core_r0.MINOR.x
     version: Tuple[int, int]
     made_against: str  # the megatron-core release whose files the diffs were made from
-    note: str = ""  # printed by check / apply / revert
 
 
-# Keep the notes in step with megatron_fp4.integration.args.SUPPORTED_MEGATRON_CORE (tests check it).
+# One patch set per release line the plugin supports (megatron_fp4.options.SUPPORTED_MEGATRON_CORE,
+# whose every line tests/versions runs; tests/test_patching.py checks the two agree).
 RELEASE_LINES = (
-    ReleaseLine(
-        "core_r0.15", (0, 15), "0.15.3",
-        note="megatron_fp4's dispatcher is written against megatron-core 0.17-0.19, so this patched "
-        "0.15 tree refuses --moe-fp4-dispatch (one sentence, at start-up) until the dispatcher also "
-        "handles 0.15's token_dispatch (no shared-expert overlap in it; all_to_all without "
-        "use_nccl_stream). The training part was not verified against a 0.15 tree: see patches/README.md.",
-    ),
-    ReleaseLine("core_r0.17", (0, 17), "0.17.1"),
     ReleaseLine("core_r0.18", (0, 18), "0.18.2"),
     ReleaseLine("core_r0.19", (0, 19), "0.19.2"),
 )
@@ -172,8 +164,8 @@ def load_parts(line: ReleaseLine) -> List[Part]:
 
 
 def _part_is_absent(part: Part, root: Path) -> bool:
-    """The training part goes to trees that have megatron/training (Megatron-LM, megatron-core >= 0.17
-    sdists); a megatron-core 0.15 or 0.16 sdist has none."""
+    """The training part goes to trees that have megatron/training (Megatron-LM, the megatron-core
+    sdists of the supported lines); a checkout of megatron/core alone has none."""
     return part.name == "training" and not (root / "megatron" / "training").is_dir()
 
 
@@ -302,8 +294,8 @@ class _Report:
     def summary(self, result: PartResult) -> str:
         names = ", ".join(f.patch.path for f in result.files)
         if result.status == "absent":
-            return ("skipped: this tree has no megatron/training (a megatron-core sdist before 0.17 ships only "
-                    "megatron/core); apply the patch to the Megatron-LM checkout that has it")
+            return ("skipped: this tree has no megatron/training (only megatron/core); apply the patch to the "
+                    "Megatron-LM checkout that has it")
         if result.status == CONFLICT:
             return "CONFLICT"
         if self.reverse:
@@ -336,8 +328,6 @@ def run_patch(action: str, path, line_name: Optional[str] = None, out: TextIO = 
     report = _Report(root, line, version, forced=line_name is not None, reverse=action == "revert", out=out)
     chosen = f"the {line.name} patch set" + (" (--line)" if report.forced else "")
     report.say(f"Megatron tree {root}: megatron-core {version}; using {chosen}, made against {line.made_against}.")
-    if line.note:
-        report.say(f"Note: {line.note}")
 
     # Forward: APPLIES = not applied yet, APPLIED = in the tree. Reverse: the other way round.
     results = [check_part(part, root, reverse=report.reverse) for part in parts]
