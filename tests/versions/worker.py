@@ -147,7 +147,8 @@ def main(rank, world, init_file, megatron_dir, expected_version, scenario):
 
     # What runs must be the version folder's megatron-core and this checkout's megatron_fp4, not the venv's.
     found = (megatron.core.__version__, os.path.dirname(megatron.core.__file__))
-    assert found[0].split("+")[0] == expected_version and found[1].startswith(megatron_dir), f"wrong megatron-core: {found}"
+    assert found[0].split("+")[0] == expected_version, f"megatron-core {found}, expected {expected_version}"
+    assert found[1].startswith(megatron_dir), f"megatron-core from {found[1]}, not {megatron_dir}"
     import megatron_fp4
 
     assert megatron_fp4.__file__.startswith(ROOT), f"megatron_fp4 from {megatron_fp4.__file__}, not {ROOT}"
