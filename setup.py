@@ -6,7 +6,7 @@ setup(
     description="MXFP4 token dispatch for Mixture-of-Experts training with Megatron-Core on Hopper GPUs",
     packages=find_packages(include=["megatron_fp4", "megatron_fp4.*"]),
     python_requires=">=3.12",
-    install_requires=["torch>=2.11", "triton>=3.6", "megatron-core>=0.17", "pyyaml"],
+    install_requires=["torch>=2.11", "triton>=3.6", "megatron-core>=0.18,<0.20", "pyyaml"],
     # The patches for Megatron-LM forks ship inside the package (megatron-fp4 patch finds them there).
     package_data={"megatron_fp4.patching": ["patches/*/*.patch"]},
     entry_points={"console_scripts": ["megatron-fp4 = megatron_fp4.cli:main"]},

@@ -12,7 +12,7 @@ from support.two_ranks import run_on_two_ranks
 
 # Wall-clock limits per scenario (both ranks), generous against the measured times.
 GPU_TIMEOUT_S = 240
-EMULATED_TIMEOUT_S = 420
+EMULATED_TIMEOUT_S = 900
 
 
 @pytest.mark.gpu
