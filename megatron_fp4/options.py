@@ -154,6 +154,9 @@ class ModelSettings:
     overlap_dispatch_wgrad: bool
     cuda_graph_captures_moe: bool
     inference_optimized: bool
+    # Checkpoints of the distributed optimizer in its default, parameter-ordered format (a config
+    # does not say: then FP8Experts check the format at save and load).
+    bucket_space_checkpoints: bool
 
     @classmethod
     def from_args(cls, args) -> "ModelSettings":
@@ -193,6 +196,8 @@ class ModelSettings:
             overlap_dispatch_wgrad=bool(get("overlap_dispatch_backward_with_experts_wgrad", False)),
             cuda_graph_captures_moe=_cuda_graph_captures_moe(source),
             inference_optimized=get("transformer_impl") == "inference_optimized",
+            bucket_space_checkpoints=bool(get("use_distributed_optimizer", False) and (get("save") or get("load"))
+                                          and not get("dist_ckpt_optim_fully_reshardable", False)),
         )
 
     @property
@@ -359,6 +364,13 @@ REFUSALS = (
     Refusal("--moe-fp4-experts fp8 with --activation-func-clamp-value",
             lambda o, m, e, r: _fp8_experts(o) and m.activation_clamp is not None,
             "--moe-fp4-experts fp8 has no SwiGLU clamp: drop --activation-func-clamp-value."),
+    Refusal("--moe-fp4-experts fp8 checkpointing the distributed optimizer in its default format",
+            # That format stores optimizer state in parameter order, where our experts (like
+            # SequentialMLP) differ from Megatron's grouped experts: state would cross-load misplaced.
+            lambda o, m, e, r: _fp8_experts(o) and m.bucket_space_checkpoints,
+            "--moe-fp4-experts fp8 with --use-distributed-optimizer saves and loads checkpoints only in the "
+            "fully reshardable format (the default one stores optimizer state in parameter order, which differs "
+            "from Megatron's grouped experts): add --dist-ckpt-optim-fully-reshardable."),
     Refusal("--moe-fp4-experts fp8 with moe_act recompute",
             lambda o, m, e, r: _fp8_experts(o) and "moe_act" in m.recompute_modules,
             "--moe-fp4-experts fp8 keeps its activations in MXFP4 and does not recompute them: drop moe_act from "

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from .checkpoint_format import check_optimizer_checkpoint_format
 from ..options import ExpertsPrecision, FP4Options, ModelSettings, Route, validate
 from ..tensors import MXFP4Tensor
 from .function import ExpertsCall, FP8ExpertsFunction
@@ -65,6 +66,11 @@ class FP8Experts(SequentialMLP):
         output = FP8ExpertsFunction.apply(call, tokens, permuted_probs,
                                           payload.rows if payload is not None else None, *weights)
         return output, None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        # Megatron passes the distributed optimizer's checkpoint format here at save and at load.
+        check_optimizer_checkpoint_format(metadata)
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
     def backward_dw(self):
         raise RuntimeError("FP8Experts computes weight gradients in backward (no delayed wgrad)")

@@ -1,0 +1,232 @@
+"""The options table: flag parsing, FP4Options from args and from a config, and every refusal."""
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_fp4.options import (
+    Environment,
+    ExpertsPrecision,
+    FP4Options,
+    GradFormat,
+    ModelSettings,
+    Route,
+    ScaleRule,
+    UnsupportedConfiguration,
+    add_arguments,
+    validate,
+    validate_args,
+)
+
+FP4DispatchUnsupported = UnsupportedConfiguration
+
+
+def _parse(argv):
+    return add_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_flags_default_off_and_parse():
+    args = _parse([])
+    assert (args.moe_fp4_dispatch, args.moe_fp4_dispatch_grad, args.moe_fp4_scale_rule) == (False, "bf16", "ceil")
+    args = _parse(["--moe-fp4-dispatch", "--moe-fp4-dispatch-grad", "fp8", "--moe-fp4-scale-rule", "floor"])
+    assert (args.moe_fp4_dispatch, args.moe_fp4_dispatch_grad, args.moe_fp4_scale_rule) == (True, "fp8", "floor")
+    with pytest.raises(SystemExit):
+        _parse(["--moe-fp4-dispatch-grad", "fp16"])
+
+
+def _config(**overrides):
+    base = dict(moe_fp4_dispatch=True, num_experts=32, moe_token_dispatcher_type="alltoall", hidden_size=7168,
+                expert_tensor_parallel_size=1)
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def _check(config, version="0.19.2", cuda=True, route=Route.LAUNCHER):
+    validate_args(config, route, Environment(version, cuda))
+
+
+def test_a_supported_configuration_passes_and_off_is_never_checked():
+    _check(_config())
+    _check(_config(moe_token_dispatcher_type="allgather", moe_fp4_dispatch=False), version="0.9.0", cuda=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, version, cuda, message",
+    [
+        ({"moe_token_dispatcher_type": "allgather"}, "0.19.2", True, "alltoall"),
+        ({"moe_token_dispatcher_type": "flex"}, "0.19.2", True, "alltoall"),
+        ({"hidden_size": 4000}, "0.19.2", True, "divisible by 128"),
+        ({"expert_tensor_parallel_size": 2}, "0.19.2", True, "expert tensor parallelism"),
+        ({"num_experts": None}, "0.19.2", True, "MoE model"),
+        ({}, "0.17.1", True, "supports megatron-core 0.18 to 0.19"),
+        ({}, "0.20.0rc1", True, "supports megatron-core 0.18 to 0.19"),
+        ({"overlap_moe_expert_parallel_comm": True}, "0.19.2", True, "--overlap-moe-expert-parallel-comm"),
+        ({"cuda_graph_impl": "local", "cuda_graph_modules": []}, "0.19.2", True, "CUDA graphs"),
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router"]}, "0.19.2", True,
+         "CUDA graphs"),
+        ({"cuda_graph_impl": "full_iteration"}, "0.19.2", True, "CUDA graphs"),
+        ({"context_parallel_size": 2}, "0.19.2", True, "--context-parallel-size 1"),
+        ({}, "0.19.2", False, "CUDA"),
+    ],
+)
+def test_refusals_say_what_and_why(overrides, version, cuda, message):
+    with pytest.raises(FP4DispatchUnsupported, match=message):
+        _check(_config(**overrides), version=version, cuda=cuda)
+
+
+def test_installed_megatron_core_is_supported():
+    import megatron.core
+
+    _check(_config(), version=megatron.core.__version__)
+
+
+def test_cuda_graphs_of_other_modules_pass():
+    _check(_config(cuda_graph_impl="local", cuda_graph_modules=["attn"]))
+    _check(_config(cuda_graph_impl="none", cuda_graph_modules=[]))
+
+
+def test_cache_flag_needs_dispatch_and_moe_recompute():
+    args = _parse(["--moe-fp4-cache"])
+    assert args.moe_fp4_cache is True and _parse([]).moe_fp4_cache is False
+    with pytest.raises(FP4DispatchUnsupported, match="--moe-fp4-cache needs --moe-fp4-dispatch"):
+        _check(_config(moe_fp4_dispatch=False, moe_fp4_cache=True))
+    with pytest.raises(FP4DispatchUnsupported, match="--recompute-modules moe"):
+        _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["mlp"]))
+    _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["moe", "layernorm"]))
+    # Token dropping keeps tokens by probability, which the recompute may compute one BF16 unit apart.
+    with pytest.raises(FP4DispatchUnsupported, match="--moe-expert-capacity-factor"):
+        _check(_config(moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["moe"],
+                       moe_expert_capacity_factor=1.0))
+
+
+def test_saved_input_flag_needs_dispatch_and_no_permute_fusion():
+    assert _parse(["--moe-fp4-saved-input"]).moe_fp4_saved_input is True
+    with pytest.raises(FP4DispatchUnsupported, match="--moe-fp4-saved-input needs --moe-fp4-dispatch"):
+        _check(_config(moe_fp4_dispatch=False, moe_fp4_saved_input=True))
+    with pytest.raises(FP4DispatchUnsupported, match="--moe-permute-fusion"):
+        _check(_config(moe_fp4_saved_input=True, moe_permute_fusion=True))
+    _check(_config(moe_fp4_saved_input=True, moe_permute_fusion=False))
+
+
+def _fp8_experts(**overrides):
+    settings = dict(moe_fp4_experts="fp8", swiglu=True, add_bias_linear=False, moe_ffn_hidden_size=2048)
+    settings.update(overrides)
+    return _config(**settings)
+
+
+def test_fp8_experts_flag_parses_and_works_with_and_without_fp4_dispatch():
+    assert _parse([]).moe_fp4_experts == "bf16"
+    assert _parse(["--moe-fp4-experts", "fp8"]).moe_fp4_experts == "fp8"
+    with pytest.raises(SystemExit):
+        _parse(["--moe-fp4-experts", "fp4"])
+    _check(_fp8_experts())
+    _check(_fp8_experts(moe_fp4_dispatch=False))  # the FP8 baseline: BF16 dispatch, our experts
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"swiglu": False}, "SwiGLU"),
+    ({"add_bias_linear": True}, "disable-bias-linear"),
+    ({"moe_fp4_saved_input": True}, "already keeps its saved input in FP4"),
+    ({"expert_tensor_parallel_size": 2}, "expert tensor parallelism"),
+    ({"moe_permute_fusion": True}, "--moe-permute-fusion"),
+    ({"moe_ffn_hidden_size": 1000}, "--moe-ffn-hidden-size divisible by 128"),
+    ({"num_experts": None, "moe_fp4_dispatch": False}, "MoE model"),
+    ({"moe_apply_probs_on_input": True}, "--moe-apply-probs-on-input"),
+    ({"delay_wgrad_compute": True}, "--delay-wgrad-compute"),
+    ({"activation_func_clamp_value": 7.0}, "--activation-func-clamp-value"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}, "drop moe_act"),
+    ({"moe_pad_expert_input_to_capacity": True}, "--moe-pad-expert-input-to-capacity"),
+    ({"overlap_moe_expert_parallel_comm": True, "moe_fp4_dispatch": False}, "--overlap-moe-expert-parallel-comm"),
+])
+def test_fp8_experts_refusals(overrides, message):
+    with pytest.raises(FP4DispatchUnsupported, match=message):
+        _check(_fp8_experts(**overrides))
+
+
+def test_options_are_typed_and_built_alike_from_args_and_config():
+    args = _parse(["--moe-fp4-dispatch", "--moe-fp4-dispatch-grad", "fp8", "--moe-fp4-scale-rule", "floor",
+                   "--moe-fp4-experts", "fp8"])
+    options = FP4Options.from_args(args)
+    assert options == FP4Options(dispatch=True, dispatch_grad=GradFormat.FP8, scale_rule=ScaleRule.FLOOR,
+                                 experts=ExpertsPrecision.FP8)
+    assert isinstance(options.dispatch_grad, GradFormat) and isinstance(options.experts, ExpertsPrecision)
+    assert FP4Options.from_args(_parse([])) == FP4Options() and not FP4Options().active
+    # The patch route copies the moe_fp4_* arguments onto the TransformerConfig: same reading.
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=8)
+    for name, value in vars(args).items():
+        setattr(config, name, value)
+    assert FP4Options.from_config(config) == options
+    with pytest.raises(ValueError):
+        FP4Options(scale_rule="nearest")
+    with pytest.raises(ValueError):
+        FP4Options(dispatch_grad="fp16")
+
+
+def test_model_settings_read_alike_from_args_and_config():
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=8,
+                               moe_ffn_hidden_size=384, gated_linear_unit=True, activation_func=F.silu,
+                               add_bias_linear=False, moe_token_dispatcher_type="alltoall",
+                               recompute_granularity="selective", recompute_modules=["moe"])
+    args = SimpleNamespace(num_experts=8, hidden_size=256, moe_ffn_hidden_size=384, swiglu=True,
+                           add_bias_linear=False, moe_token_dispatcher_type="alltoall",
+                           recompute_granularity="selective", recompute_modules=["moe"])
+    from_config, from_args = ModelSettings.from_config(config), ModelSettings.from_args(args)
+    for name in ("num_experts", "hidden_size", "dispatched_width", "moe_ffn_hidden_size", "swiglu",
+                 "add_bias_linear", "dispatcher_type", "moe_recompute", "cuda_graph_captures_moe"):
+        assert getattr(from_config, name) == getattr(from_args, name), name
+    assert from_config.swiglu and from_config.moe_recompute
+
+
+def test_the_patch_route_refuses_what_needs_the_plugins_layer():
+    """A patched tree keeps Megatron's MoELayer: the cache, the saved-input hooks and the FP8 experts
+    need ours, so they are refused at start-up there (not at the first forward, not ignored)."""
+    recompute = dict(recompute_granularity="selective", recompute_modules=["moe"])
+    for flags in ({"moe_fp4_cache": True, **recompute}, {"moe_fp4_saved_input": True},
+                  {"moe_fp4_experts": "fp8", "swiglu": True, "moe_ffn_hidden_size": 2048},
+                  {"moe_fp4_experts": "fp8", "swiglu": True, "moe_ffn_hidden_size": 2048, "moe_fp4_dispatch": False}):
+        _check(_config(**flags), route=Route.LAUNCHER)
+        with pytest.raises(UnsupportedConfiguration, match="megatron-fp4 patch"):
+            _check(_config(**flags), route=Route.PATCH)
+    _check(_config(), route=Route.PATCH)
+
+
+def test_fp8_experts_need_the_fully_reshardable_optimizer_checkpoints():
+    fp8 = _fp8_experts(use_distributed_optimizer=True, save="/ckpt")
+    with pytest.raises(UnsupportedConfiguration, match="--dist-ckpt-optim-fully-reshardable"):
+        _check(fp8)
+    _check(_fp8_experts(use_distributed_optimizer=True, save="/ckpt", dist_ckpt_optim_fully_reshardable=True))
+    _check(_fp8_experts(use_distributed_optimizer=True))  # nothing saved or loaded
+    _check(_config(use_distributed_optimizer=True, load="/ckpt"))  # stock experts: Megatron's own business
+
+
+def test_planning_for_another_machine_skips_this_machines_checks():
+    """The estimator and --dry-run validate without a GPU and against no megatron-core version."""
+    validate(FP4Options(dispatch=True), ModelSettings.from_args(_config()), None, Route.LAUNCHER)
+    with pytest.raises(UnsupportedConfiguration, match="alltoall"):
+        validate(FP4Options(dispatch=True), ModelSettings.from_args(_config(moe_token_dispatcher_type="allgather")),
+                 None, Route.LAUNCHER)
+
+
+def test_every_refusal_is_one_sentence_naming_a_flag():
+    from megatron_fp4.options import REFUSALS
+
+    for refusal in REFUSALS:
+        text = refusal.message
+        assert text.endswith(".") and text.count(". ") == 0, text
+        assert "--" in text or "_" in text or "megatron-core" in text, text
+
+
+def test_usage_doc_carries_the_generated_tables():
+    """docs/usage.md holds exactly the tables `python -m megatron_fp4.options` prints."""
+    from pathlib import Path
+
+    from megatron_fp4.options import usage_markdown
+
+    usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    assert usage_markdown() in usage, "docs/usage.md is stale: regenerate with `python -m megatron_fp4.options`"
