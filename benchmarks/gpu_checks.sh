@@ -41,8 +41,8 @@ step() {  # step NAME command...: run, time, remember the exit status (only the 
 }
 
 step tests python3 -m pytest -q -p no:warnings -rA -s -m gpu tests
-step experts_tests python3 -m pytest -q -p no:warnings -s tests/test_fp8_experts.py tests/test_weight_quantizer.py \
-    tests/test_swiglu.py tests/test_kernels.py
+step experts_tests python3 -m pytest -q -p no:warnings -s tests/integration/test_fp8_experts.py tests/ops/test_weight_quantizer.py \
+    tests/ops/test_swiglu.py tests/ops/test_kernels.py
 step bench_kernels python3 -m benchmarks.bench_kernels --sizes 16384x7168 --no-baseline
 if ((GPUS >= 2)); then
     EXPERTS=${BENCH_EXPERTS:-$((8 * GPUS))}

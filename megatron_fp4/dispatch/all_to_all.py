@@ -89,6 +89,8 @@ def fp4_dispatch_all_to_all(
     experts that compute from the payload.
     Wire bytes per token: H/2 + H/32 forward; H * 2 (bf16) or H + H/32 (fp8) backward."""
     check_scale_rule(scale_rule)
+    if grad_format not in [g.value for g in GradFormat]:
+        raise ValueError(f"grad_format must be one of {[g.value for g in GradFormat]}, got {grad_format!r}")
     grad_format = GradFormat(grad_format)
     if tokens.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"tokens must be bfloat16 or float32 (MXFP4 values can overflow float16), got {tokens.dtype}")

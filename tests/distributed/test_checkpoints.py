@@ -1,5 +1,5 @@
 """Checkpoints at model level (issue 15, item 7), on CPU: two gloo ranks with torch.cuda emulated
-(tests/cuda_on_cpu.py), EP 2 (experts 0-1 on rank 0, 2-3 on rank 1; the dense part data-parallel
+(tests/support/cuda_on_cpu.py), EP 2 (experts 0-1 on rank 0, 2-3 on rank 1; the dense part data-parallel
 over both ranks). A tiny GPTModel (2 MoE layers, hidden 256, 4 experts top-2, alltoall, SwiGLU, no
 bias, local spec), Megatron's DDP and distributed Adam (bf16 weights, fp32 main weights), saved
 and loaded with megatron.core.dist_checkpointing the way Megatron's training loop does it.
@@ -277,7 +277,7 @@ def _worker(rank, world, init_file, failures, scenario, arguments, timeout_s):
     # A rank stuck in communication prints every thread's stack before the parent kills it.
     faulthandler.dump_traceback_later(max(timeout_s - 10, 5), exit=False)
     sys.path.insert(0, TESTS)
-    import cuda_on_cpu
+    from support import cuda_on_cpu
 
     cuda_on_cpu.install()
     from support import megatron_training_on_cpu

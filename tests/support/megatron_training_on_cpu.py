@@ -1,5 +1,5 @@
 """TEST SUPPORT ONLY: what Megatron's distributed optimizer and checkpointing need beyond
-tests/cuda_on_cpu.py to run in a CPU process. Install after cuda_on_cpu.install().
+tests/support/cuda_on_cpu.py to run in a CPU process. Install after cuda_on_cpu.install().
 
 - Megatron's optimizers sort parameters by `tensor.type()` strings ('torch.cuda.BFloat16Tensor');
   on the CPU that string lacks '.cuda', so it is reported as if the tensor were on the GPU.

@@ -2,7 +2,7 @@
 that the FP8 experts run on a CPU (CI) exactly as on the GPU up to the multiply-accumulate.
 
 The production GEMM (megatron_fp4.experts.gemm) refuses CPU operands; tests install this
-function as its `scaled_mm_off_cuda`: tests/conftest.py for the pytest process, tests/cuda_on_cpu.py
+function as its `scaled_mm_off_cuda`: tests/conftest.py for the pytest process, tests/support/cuda_on_cpu.py
 for the processes it spawns. The product is that of the dequantized operands in fp32.
 """
 

@@ -28,7 +28,7 @@ EMULATED_SIZES = {"TOKENS_PER_RANK": 128, "HIDDEN": 256}
 def _worker(rank, world, init_file, failures, scenario, emulated, timeout_s):
     sys.path.insert(0, TESTS)
     if emulated:
-        import cuda_on_cpu  # first: it patches torch.cuda before Megatron is imported
+        from support import cuda_on_cpu  # first: it patches torch.cuda before Megatron is imported
 
         cuda_on_cpu.install()
         torch.set_num_threads(1)

@@ -3,7 +3,7 @@
     python tests/versions/worker.py RANK WORLD INIT_FILE MEGATRON_DIR EXPECTED_VERSION SCENARIO_JSON
 
 MEGATRON_DIR (a `pip install --target` folder of one megatron-core release) goes first on sys.path,
-then torch.cuda is emulated on the CPU (tests/cuda_on_cpu.py) before Megatron is imported. The checks
+then torch.cuda is emulated on the CPU (tests/support/cuda_on_cpu.py) before Megatron is imported. The checks
 are the distributed MoE-layer scenarios' (tests/support/moe_layer_checks.py, whose helpers are reused
 here) at sizes the Triton interpreter gets through in seconds. Exits 0 when the checks hold."""
 
@@ -133,7 +133,7 @@ CHECKS = {"dispatch": check_dispatch, "cache": check_cache, "fp8_experts": check
 
 def main(rank, world, init_file, megatron_dir, expected_version, scenario):
     sys.path[:0] = [megatron_dir, ROOT, TESTS]  # this checkout's megatron_fp4, whatever is installed
-    import cuda_on_cpu  # noqa: F401  (before Megatron, which reads torch.cuda at import)
+    from support import cuda_on_cpu  # noqa: F401  (before Megatron, which reads torch.cuda at import)
 
     cuda_on_cpu.install()
     global checks, torch

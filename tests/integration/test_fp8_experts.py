@@ -21,7 +21,7 @@ from megatron_fp4.formats import mxfp4_wire_bytes_per_row
 from megatron_fp4.integration.experts_spec import use_fp8_experts
 from megatron_fp4.options import FP4Options
 
-from experts_reference import fp8_experts_oracle
+from support.experts_reference import fp8_experts_oracle
 
 HIDDEN, FFN, EXPERTS = 256, 128, 4
 COUNTS = [130, 0, 70, 1]  # a segment over 128 tokens, an empty expert, a single token

@@ -7,7 +7,7 @@ import torch
 import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
 
-from inputs import assert_same_bits, hard_input, random_input
+from support.inputs import assert_same_bits, hard_input, random_input
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

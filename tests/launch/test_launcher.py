@@ -26,7 +26,7 @@ from megatron_fp4.launch.arguments import parse_launcher_args
 from megatron_fp4.options import FP4Options
 from megatron_fp4.run_config import GPU_MEMORY_CAP_ENV
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "scripts" / "pretrain_gpt_fp4.py"
 PROXY = ROOT / "scripts" / "train_proxy.sh"
 

@@ -8,7 +8,7 @@ from megatron_fp4 import reference as ref
 from megatron_fp4.formats import E2M1_MAGNITUDES, E2M1_MAX, FP4_TO_FP8_EXACT_MAX_GAP, mxfp4_wire_bytes_per_row
 from megatron_fp4.tensors import MXFP4Tensor
 
-from inputs import hard_input, random_input
+from support.inputs import hard_input, random_input
 
 GRID = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)
 

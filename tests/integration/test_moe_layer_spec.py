@@ -1,6 +1,6 @@
 """Registration through the layer spec: every MoELayer builder becomes FP4MoELayer with our options,
 nothing else changes, and with the flag off the spec is returned untouched. (Building the layer
-needs CUDA streams: tests/test_gpu_moe_layer.py does that on the GPU.)"""
+needs CUDA streams: tests/distributed runs it, on GPUs or emulated.)"""
 
 import functools
 from types import SimpleNamespace

@@ -8,7 +8,7 @@ import torch
 import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
 
-from inputs import assert_same_bits, assert_same_fp8, assert_same_mxfp4, hard_input
+from support.inputs import assert_same_bits, assert_same_fp8, assert_same_mxfp4, hard_input
 
 pytestmark = pytest.mark.gpu
 

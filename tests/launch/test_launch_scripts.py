@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch.py"
 SBATCH = ROOT / "scripts" / "slurm_launch.sbatch"
 CONFIG_671B = "configs/deepseek_v3_671b/fp4_mla_up_proj.yaml"

@@ -9,7 +9,7 @@ from megatron_fp4 import reference as ref
 from megatron_fp4.formats import mxfp4_wire_bytes_per_row
 from megatron_fp4.tensors import MXFP4Tensor
 
-from inputs import assert_same_bits, assert_same_fp8, assert_same_mxfp4, hard_input, random_input
+from support.inputs import assert_same_bits, assert_same_fp8, assert_same_mxfp4, hard_input, random_input
 from test_reference import exhaustive_conversion_cases
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -214,7 +214,7 @@ def test_patch_sets_are_small_and_touch_only_the_expected_files():
 
 
 def test_the_repositorys_patches_folder_points_at_the_packaged_patch_sets():
-    repo_patches = Path(__file__).resolve().parents[1] / "patches"
+    repo_patches = Path(__file__).resolve().parents[2] / "patches"
     for line in patching.RELEASE_LINES:
         assert (repo_patches / line.name).resolve() == patching.PATCH_DIR / line.name
         assert (repo_patches / line.name / "core.patch").is_file()

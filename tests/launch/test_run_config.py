@@ -18,7 +18,7 @@ from megatron_fp4.run_config import (
     validate_config,
 )
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHIPPED = sorted(CONFIGS.glob("**/*.yaml"))
 ROUND_TRIP = [p for p in SHIPPED if "scopes" not in p.parts]  # scope files are fragments
 

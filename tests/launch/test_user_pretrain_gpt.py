@@ -19,7 +19,7 @@ from megatron_fp4.integration import FP4MoELayer
 from megatron_fp4.run_config import load_config
 from test_launcher import one_rank  # noqa: F401  (fixture)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = ROOT / "tests" / "data" / "megatron_lm_pretrain_gpt.py"
 PROXY_ONE_GPU = ROOT / "configs" / "proxy" / "gpus1.yaml"
 SMALL_MOE = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megatron_fp4"
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_fp4"
 
 
 def test_kernels_compile_for_hopper():

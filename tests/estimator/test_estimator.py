@@ -13,7 +13,7 @@ from megatron_fp4.estimator.precision import FP8_1X128_BYTES, MXFP4_BYTES
 from megatron_fp4.estimator.schedule import peak_held
 from megatron_fp4.estimator.shapes import MOE, MTP
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DSV3 = ROOT / "configs" / "deepseek_v3_671b"
 PROXY = ROOT / "configs" / "proxy"
 PRECISIONS = ("bf16", "fp8", "fp4")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megatron_fp4"
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_fp4"
 ORACLE = "megatron_fp4.reference"
 
 
