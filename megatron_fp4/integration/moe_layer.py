@@ -31,7 +31,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from ..dispatch.cache import DispatchCache, MicroBatchKey
 from ..dispatch.saved_fp4 import FP4SavedRows
 from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher, ReceivedTokens
-from ..experts import FP8Experts
 from ..options import ExpertsPrecision, FP4Options, Route
 from .spec_tree import rewrite_spec
 

@@ -12,6 +12,7 @@ from support.two_ranks import run_on_two_ranks
 
 # Wall-clock limits per scenario (both ranks), generous against the measured times.
 GPU_TIMEOUT_S = 240
+RUN = "support.moe_layer_checks.run_scenario"
 EMULATED_TIMEOUT_S = 900
 
 
@@ -19,7 +20,7 @@ EMULATED_TIMEOUT_S = 900
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_on_two_gpus(scenario):
-    run_on_two_ranks(scenario, emulated=False, timeout_s=GPU_TIMEOUT_S)
+    run_on_two_ranks(RUN, scenario, False, emulated=False, timeout_s=GPU_TIMEOUT_S)
 
 
 # Under the emulation a scenario takes 1-2 minutes on two cores: CI runs one of each kind (dispatch
@@ -35,4 +36,4 @@ EMULATE_ALL = os.environ.get("MEGATRON_FP4_EMULATE_ALL") == "1"
 def test_emulated_on_cpu(scenario):
     if scenario not in CI_EMULATED and not EMULATE_ALL:
         pytest.skip("slow under the emulation: MEGATRON_FP4_EMULATE_ALL=1 runs it")
-    run_on_two_ranks(scenario, emulated=True, timeout_s=EMULATED_TIMEOUT_S)
+    run_on_two_ranks(RUN, scenario, True, emulated=True, timeout_s=EMULATED_TIMEOUT_S)

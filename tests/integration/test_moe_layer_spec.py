@@ -5,7 +5,6 @@ needs CUDA streams: tests/distributed runs it, on GPUs or emulated.)"""
 import functools
 from types import SimpleNamespace
 
-import pytest
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.training import arguments as megatron_arguments
 from megatron.training.arguments import core_transformer_config_from_args
@@ -59,16 +58,6 @@ def launcher_argv(monkeypatch):
 
     yield _set
     unset_global_variables()
-
-
-@pytest.fixture
-def one_rank():
-    """A one-process gloo group with Megatron's parallel state (layer specs ask for the pipeline rank)."""
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("entry_point", [[str(LAUNCHER)], ["-m", "megatron_fp4.launch"]], ids=["script", "module"])

@@ -17,7 +17,6 @@ import megatron_fp4.launch as fp4
 from megatron_fp4.experts import FP8Experts
 from megatron_fp4.integration import FP4MoELayer
 from megatron_fp4.run_config import load_config
-from test_launcher import one_rank  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = ROOT / "tests" / "data" / "megatron_lm_pretrain_gpt.py"
@@ -100,7 +99,7 @@ def user_module(user_script, monkeypatch):
     unset_global_variables()
 
 
-def test_user_model_provider_builds_fp4_layers_and_fp8_experts(user_module, one_rank, monkeypatch):  # noqa: F811
+def test_user_model_provider_builds_fp4_layers_and_fp8_experts(user_module, one_rank, monkeypatch):
     argv = [*load_config(PROXY_ONE_GPU).argv(), "--moe-fp4-dispatch", "--moe-fp4-experts", "fp8",
             "--transformer-impl", "local", "--no-gradient-accumulation-fusion"]
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])

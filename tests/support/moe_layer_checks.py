@@ -435,3 +435,15 @@ SCENARIOS = {
        functools.partial(_check_cache_pipeline, experts=experts, virtual_stages=vpp)
        for vpp in (1, 2) for experts in ("bf16", "fp8")},
 }
+
+
+# Under the CPU emulation the Triton interpreter is slow: the scenarios' sizes reduced (the logic
+# is the same).
+EMULATED_SIZES = {"TOKENS_PER_RANK": 128, "HIDDEN": 256}
+
+
+def run_scenario(rank: int, scratch: str, name: str, emulated: bool) -> None:
+    """tests/support/two_ranks.py's entry point: scenario `name` on this rank."""
+    if emulated:
+        globals().update(EMULATED_SIZES)
+    SCENARIOS[name](rank)

@@ -1,6 +1,7 @@
-"""Run one scenario on both ranks of a two-process group: NCCL on the first two GPUs, or gloo on
-the CPU with torch.cuda emulated (cuda_on_cpu.py) and the scenario's sizes reduced, since the Triton
-interpreter is slow (the logic is the same; stream ordering and NCCL are the GPU run's to show).
+"""Run one scenario function on both ranks of a two-process group: NCCL on the first two GPUs, or
+gloo on the CPU with torch.cuda emulated (cuda_on_cpu.py; stream ordering and NCCL are the GPU
+run's to show). The function, named by its dotted path, is called as function(rank, scratch,
+*arguments), scratch a folder both ranks share for the call.
 
 A failed assertion on either rank fails the test with every rank's message; a rank that raises
 anything else leaves at once (its peer may wait in a collective); ranks still running after
@@ -9,6 +10,7 @@ timeout_s are killed, after dumping their stacks, and the test fails.
 
 import datetime
 import faulthandler
+import importlib
 import os
 import sys
 import tempfile
@@ -21,23 +23,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# On the CPU: the scenarios' module-level sizes, reduced.
-EMULATED_SIZES = {"TOKENS_PER_RANK": 128, "HIDDEN": 256}
 
 
-def _worker(rank, world, init_file, failures, scenario, emulated, timeout_s):
+def _worker(rank, world, scratch, failures, target, arguments, emulated, timeout_s):
     sys.path.insert(0, TESTS)
     if emulated:
         from support import cuda_on_cpu  # first: it patches torch.cuda before Megatron is imported
 
         cuda_on_cpu.install()
         torch.set_num_threads(1)
-    from support import moe_layer_checks
-
     faulthandler.dump_traceback_later(max(timeout_s - 15, 5), exit=False)
+    init_file = os.path.join(scratch, "init")
     if emulated:
-        for name, value in EMULATED_SIZES.items():
-            setattr(moe_layer_checks, name, value)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     else:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -46,14 +43,16 @@ def _worker(rank, world, init_file, failures, scenario, emulated, timeout_s):
                                 device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=timeout_s))
     # index_add / scatter_add in Megatron's (un)permute use atomics unless deterministic.
     torch.use_deterministic_algorithms(True, warn_only=True)
+    module, function = target.rsplit(".", 1)
+    scenario = f"{target}{arguments}"
     start = time.monotonic()
     try:
-        moe_layer_checks.SCENARIOS[scenario](rank)
+        getattr(importlib.import_module(module), function)(rank, scratch, *arguments)
     except AssertionError as error:
-        failures.put(str(error))
+        failures.put(f"rank {rank}: {error}")
     except BaseException:
         print(f"rank {rank}: {scenario} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        failures.put(f"rank {rank}: {scenario} raised {traceback.format_exc(limit=2)}")
+        failures.put(f"rank {rank}: {scenario} raised {traceback.format_exc(limit=-3)}")
         failures.close()
         failures.join_thread()
         os._exit(1)
@@ -62,7 +61,7 @@ def _worker(rank, world, init_file, failures, scenario, emulated, timeout_s):
     dist.destroy_process_group()
 
 
-def run_on_two_ranks(scenario: str, emulated: bool, timeout_s: int) -> None:
+def run_on_two_ranks(target: str, *arguments, emulated: bool, timeout_s: int) -> None:
     for knob, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                         ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(knob, value)
@@ -70,7 +69,7 @@ def run_on_two_ranks(scenario: str, emulated: bool, timeout_s: int) -> None:
     problem = None
     with tempfile.TemporaryDirectory() as tmp:
         processes = mp.start_processes(
-            _worker, args=(2, os.path.join(tmp, "init"), failures, scenario, emulated, timeout_s),
+            _worker, args=(2, tmp, failures, target, arguments, emulated, timeout_s),
             nprocs=2, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -78,7 +77,7 @@ def run_on_two_ranks(scenario: str, emulated: bool, timeout_s: int) -> None:
                 if time.monotonic() > deadline:
                     for process in processes.processes:
                         process.kill()
-                    problem = f"{scenario}: the ranks did not finish in {timeout_s} s (stuck in communication?)"
+                    problem = f"{target}{arguments}: the ranks did not finish in {timeout_s} s (stuck in communication?)"
                     break
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
             problem = str(error)
