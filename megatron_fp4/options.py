@@ -9,6 +9,7 @@ MoE layer all call it, and `docs/usage.md` is generated from `FLAGS` and `REFUSA
 
 import argparse
 import enum
+import re
 from dataclasses import dataclass, fields
 from typing import Callable, Optional, Tuple
 
@@ -153,6 +154,7 @@ class ModelSettings:
     overlap_ep_comm: bool
     overlap_dispatch_wgrad: bool
     cuda_graph_captures_moe: bool
+    local_cuda_graphs: bool  # Megatron then never checkpoints a MoE layer (moe_layer_recompute off)
     inference_optimized: bool
     # Checkpoints of the distributed optimizer in its default, parameter-ordered format (a config
     # does not say: then FP8Experts check the format at save and load).
@@ -195,14 +197,17 @@ class ModelSettings:
             overlap_ep_comm=bool(get("overlap_moe_expert_parallel_comm", False)),
             overlap_dispatch_wgrad=bool(get("overlap_dispatch_backward_with_experts_wgrad", False)),
             cuda_graph_captures_moe=_cuda_graph_captures_moe(source),
+            local_cuda_graphs=get("cuda_graph_impl") == "local",
             inference_optimized=get("transformer_impl") == "inference_optimized",
-            bucket_space_checkpoints=bool(get("use_distributed_optimizer", False) and (get("save") or get("load"))
-                                          and not get("dist_ckpt_optim_fully_reshardable", False)),
+            bucket_space_checkpoints=bool(
+                (get("use_distributed_optimizer", False) or get("use_layer_wise_distributed_optimizer", False))
+                and (get("save") or get("load")) and not get("dist_ckpt_optim_fully_reshardable", False)),
         )
 
     @property
     def moe_recompute(self) -> bool:
-        return self.recompute_granularity == "selective" and "moe" in self.recompute_modules
+        """Whether Megatron checkpoints whole MoE layers (MoELayer.moe_layer_recompute)."""
+        return self.recompute_granularity == "selective" and "moe" in self.recompute_modules and not self.local_cuda_graphs
 
 
 # CUDA-graph regions that contain (part of) the MoE layer; an empty list means the whole layer.
@@ -217,10 +222,9 @@ def _cuda_graph_captures_moe(source) -> bool:
         return False
     if impl == "full_iteration":
         return True
-    # 0.19 names the regions cuda_graph_modules, 0.18 cuda_graph_scope.
-    modules = getattr(source, "cuda_graph_modules", None)
-    if modules is None:
-        modules = getattr(source, "cuda_graph_scope", None)
+    # Megatron's validation moves the deprecated --cuda-graph-scope into cuda_graph_modules; the
+    # estimator and --dry-run read the arguments before it.
+    modules = getattr(source, "cuda_graph_scope_deprecated", None) or getattr(source, "cuda_graph_modules", None)
     names = {getattr(m, "name", str(m)) for m in (modules or [])}
     return not names or bool(names & (_MOE_GRAPH_MODULES | {"full_iteration"}))
 
@@ -229,13 +233,15 @@ def _cuda_graph_captures_moe(source) -> bool:
 class Environment:
     megatron_core_version: str
     cuda_available: bool
+    compute_capability: Optional[Tuple[int, int]] = None  # of this process's GPU
 
     @classmethod
     def here(cls) -> "Environment":
         import megatron.core
         import torch
 
-        return cls(megatron.core.__version__, torch.cuda.is_available())
+        cuda = torch.cuda.is_available()
+        return cls(megatron.core.__version__, cuda, tuple(torch.cuda.get_device_capability()) if cuda else None)
 
 
 def _release_line(version: str) -> Optional[Tuple[int, int]]:
@@ -288,11 +294,16 @@ REFUSALS = (
             lambda o, m, e, r: o.active and e is not None and not e.cuda_available,
             "--moe-fp4-dispatch and --moe-fp4-experts fp8 need CUDA GPUs: their Triton kernels and FP8 GEMMs run "
             "only there."),
-    Refusal("the patch route with --moe-fp4-cache, --moe-fp4-saved-input or --moe-fp4-experts fp8",
+    Refusal("--moe-fp4-experts fp8 on a GPU other than Hopper (SM90)",
+            lambda o, m, e, r: _fp8_experts(o) and e is not None and e.compute_capability not in (None, (9, 0)),
+            "--moe-fp4-experts fp8 needs Hopper GPUs (compute capability 9.0, found {compute_capability}): its FP8 "
+            "block-scaled GEMMs are SM90's; drop --moe-fp4-experts fp8."),
+    Refusal("the patch route (also our launcher on a patched tree) with --moe-fp4-cache, --moe-fp4-saved-input "
+            "or --moe-fp4-experts fp8",
             lambda o, m, e, r: r is Route.PATCH and (o.cache or o.saved_input or _fp8_experts(o)),
-            "--moe-fp4-cache, --moe-fp4-saved-input and --moe-fp4-experts fp8 need the plugin's layer spec "
-            "(megatron_fp4.launch or scripts/pretrain_gpt_fp4.py), not a tree patched with `megatron-fp4 patch`: "
-            "drop them there."),
+            "a megatron-core tree patched with `megatron-fp4 patch` serves --moe-fp4-dispatch only: drop "
+            "--moe-fp4-cache, --moe-fp4-saved-input and --moe-fp4-experts fp8, or run megatron_fp4.launch on an "
+            "unpatched megatron-core."),
     Refusal("context parallelism (our launcher does not slice batches per CP rank)",
             lambda o, m, e, r: r is Route.LAUNCHER and m.context_parallel_size > 1,
             "megatron_fp4's launcher does not slice batches for context parallelism: use --context-parallel-size 1."),
@@ -316,10 +327,10 @@ REFUSALS = (
             lambda o, m, e, r: o.active and m.overlap_ep_comm,
             "megatron_fp4 does not support --overlap-moe-expert-parallel-comm: its split schedule calls the MoE "
             "layer's parts itself and would bypass the FP4 dispatch; drop the flag."),
-    Refusal("overlap_dispatch_backward_with_experts_wgrad (a TransformerConfig setting)",
+    Refusal("--overlap-dispatch-backward-with-experts-wgrad",
             lambda o, m, e, r: o.active and m.overlap_dispatch_wgrad,
-            "megatron_fp4 does not support the config's overlap_dispatch_backward_with_experts_wgrad: its dispatch "
-            "and experts do not delay the weight gradients; set it to False."),
+            "megatron_fp4 does not support --overlap-dispatch-backward-with-experts-wgrad: its dispatch and "
+            "experts do not delay the weight gradients; drop the flag."),
     Refusal("CUDA graphs that capture the MoE layer",
             lambda o, m, e, r: o.active and m.cuda_graph_captures_moe,
             "megatron_fp4 does not support CUDA graphs that capture the MoE layer: use --cuda-graph-impl none or "
@@ -345,6 +356,10 @@ REFUSALS = (
             "--moe-permute-fusion or --moe-pad-expert-input-to-capacity: the payload rows are reordered like the "
             "experts' input by the unfused sort; drop those flags."),
     # What our FP8 experts implement.
+    Refusal("--moe-fp4-experts fp8 with a dispatcher other than alltoall",
+            lambda o, m, e, r: _fp8_experts(o) and m.dispatcher_type != "alltoall",
+            "--moe-fp4-experts fp8 needs --moe-token-dispatcher-type alltoall (got {dispatcher_type}): the other "
+            "dispatchers hand the experts buffers and layouts it does not serve."),
     Refusal("--moe-fp4-experts fp8 without SwiGLU",
             lambda o, m, e, r: _fp8_experts(o) and not m.swiglu,
             "--moe-fp4-experts fp8 implements SwiGLU experts only: add --swiglu."),
@@ -384,9 +399,11 @@ def validate(options: FP4Options, model: ModelSettings, environment: Optional[En
     the checks of this machine (the estimator and --dry-run plan for another one)."""
     for refusal in REFUSALS:
         if refusal.applies(options, model, environment, route):
-            version = environment.megatron_core_version if environment is not None else None
             values = {f.name: getattr(model, f.name) for f in fields(model)}
-            raise UnsupportedConfiguration(refusal.message.format(version=version, **values))
+            if environment is not None:
+                values.update(version=environment.megatron_core_version,
+                              compute_capability=environment.compute_capability)
+            raise UnsupportedConfiguration(refusal.message.format(**values))
 
 
 def validate_args(args, route: Route, environment: Optional[Environment]) -> FP4Options:
@@ -405,7 +422,8 @@ def usage_markdown() -> str:
         lines.append(f"| `{flag.option}`{choices} | {default} | {flag.help} |")
     lines += ["", "| refused | message |", "| --- | --- |"]
     for refusal in REFUSALS:
-        lines.append(f"| {refusal.when} | {refusal.message} |")
+        message = re.sub(r"\{(\w+)\}", r"<\1>", refusal.message)  # the values the user's run fills in
+        lines.append(f"| {refusal.when} | {message} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,5 @@
 """BF16 / FP16 / FP32 rows of ragged expert segments -> X^T in FP8 E4M3 with 1x128 blocks along
-tokens: the gradient operand of the expert wgrad GEMM (issue 4), written in one pass.
+tokens: the gradient operand of the expert wgrad GEMM, written in one pass.
 
 Each 128-token block of an expert's segment takes, per hidden column, the smallest power-of-two
 scale with amax / scale <= 448 (never below 2^-126), as the row quantizer does along rows. A block

@@ -5,7 +5,7 @@ of 32 elements per row, loaded as 16 integers so that unpacking needs no shuffle
 byte of a pair is one OR. The scale comes from integer operations on the block's largest |x|
 bits, the rounding from one exactly-defined fp32 add, so the CPU interpreter and the GPU agree
 bit for bit. The kernel is issue-bound before it is memory-bound: every instruction per element
-counts (scripts/kernel_sass_stats.py).
+counts (benchmarks/kernel_sass_stats.py).
 """
 
 from typing import List, Optional

@@ -55,7 +55,7 @@ def _row_group_tile(rows_ptr, out_ptr, row, group, num_rows, in_row_stride, GROU
     Everything runs in the layout of the data load: each word reads its group's scale word itself
     (an L1 hit) instead of taking it from a reduction. Returns 1 if the fast path met a gap it
     cannot serve (nothing is stored then). Measured on H200 this layout (50% of copy) beat one
-    that keeps load and store in one layout with 8-byte loads (36%): see docs/kernel_notes.md."""
+    that keeps load and store in one layout with 8-byte loads (36%): see docs/history/kernel_notes.md."""
     sub_block = tl.arange(0, 4)[None, None, :, None]
     word = group[None, :, None, None] * 16 + sub_block * 4 + tl.arange(0, 4)[None, None, None, :]
     row4 = row[:, None, None, None].to(tl.int64)

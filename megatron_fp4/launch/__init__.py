@@ -15,12 +15,12 @@ Your own Megatron-LM pretrain_gpt.py needs three lines:
     args = fp4.parse_and_validate_args(...)  # was Megatron's parse_and_validate_args(...), same arguments
     transformer_layer_spec = fp4.layer_spec(transformer_layer_spec)  # where the layer spec is built
 
-The second line adds our flags to Megatron's parser (after the script's own extra_args_provider)
+The second line adds our flags to Megatron's parser (before the script's own extra_args_provider)
 and, right after Megatron's validation, refuses what the plugin cannot serve with one sentence and
 exit status 2. The third swaps the MoE layers (and their experts) of the spec as the flags ask; put
 it before the MTP block spec is built from the layer spec, so that MTP layers follow. In Megatron-LM
 checkouts that build the spec in gpt_builders.py rather than in pretrain_gpt.py, the third line (with
-the import) goes there. tests/test_user_pretrain_gpt.py applies them to a stand-in of
+the import) goes there. tests/launch/test_user_pretrain_gpt.py applies them to a stand-in of
 pretrain_gpt.py.
 """
 

@@ -24,7 +24,8 @@ def main():
     with warnings.catch_warnings():  # it recommends a model config; we pass a model provider
         warnings.simplefilter("ignore")
         cfg = pretrain_cfg_container_from_args(args)
-    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-             model_provider=model_provider)
+    # By keyword: megatron-core 0.18 and 0.19 order these parameters differently.
+    pretrain(cfg, train_valid_test_dataset_provider=train_valid_test_datasets_provider, model_provider=model_provider,
+             model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

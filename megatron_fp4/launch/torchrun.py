@@ -79,8 +79,7 @@ def main(argv=None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(args.config)
-        validate_config(config, extra)
-    except (ConfigError, UnsupportedConfiguration) as err:
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     env = {**RECIPE_ENV, **os.environ}
@@ -105,13 +104,18 @@ def main(argv=None) -> int:
             return 2
         env[GPU_MEMORY_CAP_ENV] = f"{config.cluster['gpu_memory_gib']:g}"
 
-    flags = config.argv()
+    run_dir_flags = []
     if "save" not in config.flags:
-        flags += ["--save", str(run_dir / "checkpoints"), "--load", str(run_dir / "checkpoints")]
+        run_dir_flags += ["--save", str(run_dir / "checkpoints"), "--load", str(run_dir / "checkpoints")]
         if "save_interval" not in config.flags:  # Megatron requires one with --save; it also saves at the end
-            flags += ["--save-interval", str(DEFAULT_SAVE_INTERVAL)]
+            run_dir_flags += ["--save-interval", str(DEFAULT_SAVE_INTERVAL)]
+    try:  # the command line the ranks will get, run-dir flags included
+        validate_config(config, [*run_dir_flags, *extra])
+    except (ConfigError, UnsupportedConfiguration) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     command = [*torchrun_argv(nnodes, gpus_per_node, run_id, env), str(TRAINER),
-               *flags, *extra]
+               *config.argv(), *run_dir_flags, *extra]
 
     print(f"launch: {args.config}: {nnodes} node(s) x {gpus_per_node} GPU(s), run dir {run_dir}, node {node}")
     shown = [*RECIPE_ENV, *([GPU_MEMORY_CAP_ENV] if args.enforce_memory_cap else [])]

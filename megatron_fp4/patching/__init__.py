@@ -58,7 +58,7 @@ class ReleaseLine:
 
 
 # One patch set per release line the plugin supports (megatron_fp4.options.SUPPORTED_MEGATRON_CORE,
-# whose every line tests/versions runs; tests/test_patching.py checks the two agree).
+# whose every line tests/versions runs; tests/patching/test_patching.py checks the two agree).
 RELEASE_LINES = (
     ReleaseLine("core_r0.18", (0, 18), "0.18.2"),
     ReleaseLine("core_r0.19", (0, 19), "0.19.2"),

@@ -1,5 +1,5 @@
 """Stand-in for a user's Megatron-LM pretrain_gpt.py (the megatron-core wheel ships none), written
-for tests/test_user_pretrain_gpt.py: the same structure, trimmed. model_provider builds the decoder
+for tests/launch/test_user_pretrain_gpt.py: the same structure, trimmed. model_provider builds the decoder
 block spec (MoE layers follow --moe-layer-freq), the MTP block spec from it, then GPTModel; the
 datasets provider and forward_step feed Megatron's pretrain(); the main block parses and validates
 the arguments, builds the config container and calls pretrain(). The test copies this file and adds

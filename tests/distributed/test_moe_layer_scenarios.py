@@ -10,9 +10,9 @@ import torch
 from support.moe_layer_checks import SCENARIOS
 from support.two_ranks import run_on_two_ranks
 
+RUN = "support.moe_layer_checks.run_scenario"
 # Wall-clock limits per scenario (both ranks), generous against the measured times.
 GPU_TIMEOUT_S = 240
-RUN = "support.moe_layer_checks.run_scenario"
 EMULATED_TIMEOUT_S = 900
 
 

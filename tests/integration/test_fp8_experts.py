@@ -1,4 +1,4 @@
-"""FP8Experts (issue 4) on one rank: the math against a float64 oracle of the same quantization
+"""FP8Experts on one rank: the math against a float64 oracle of the same quantization
 steps, the error against unquantized float64 math, what is saved for backward, that it is freed,
 the checkpoint keys, the spec swap and the refusals. On CPU the kernels run under the interpreter
 and the GEMMs are emulated in fp32; on a GPU the same tests run scaled_mm."""

@@ -101,6 +101,7 @@ REFUSED_ARGV = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-he
 ], ids=["with-cuda", "without-cuda"])  # (an id "gpu" would mark it GPU-only)
 def test_refusal_stops_the_run_with_one_sentence(launcher_argv, capsys, monkeypatch, cuda, sentence):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)  # the validation's view of this machine
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))  # Hopper
     launcher_argv(REFUSED_ARGV)
     with pytest.raises(SystemExit) as stop:
         pretrain.main()
@@ -113,6 +114,7 @@ def test_refusal_stops_the_run_with_one_sentence(launcher_argv, capsys, monkeypa
 def test_context_parallelism_is_refused_by_the_launcher(launcher_argv, capsys, monkeypatch):
     # A GPU machine as Megatron's validation (which asks the GPU's architecture with CP) and ours see it.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))  # Hopper
     monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as scripts/launch.py sets it
     # (a dry run of scripts/launch.py refuses it already, so the flag is added to its command here)
@@ -187,6 +189,7 @@ def fake_gpu(monkeypatch):
     """A visible 16 GiB GPU whose set_device / memory-fraction calls are recorded, not made."""
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))  # Hopper
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 16 * 2**30}))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",

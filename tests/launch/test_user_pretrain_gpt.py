@@ -106,6 +106,7 @@ def test_user_model_provider_builds_fp4_layers_and_fp8_experts(user_module, one_
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the validation's view of a GPU machine
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))  # Hopper
     unset_global_variables()
     fp4.parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})  # line 2, as the script
     built = {}

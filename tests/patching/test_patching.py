@@ -535,18 +535,19 @@ token_dispatcher.FP4AlltoAllTokenDispatcher = recorder("fp4")
 report["fp4_layer"] = build_layer(moe_fp4_dispatch=True, moe_fp4_scale_rule="floor", moe_fp4_dispatch_grad="fp8")
 report["off_layer"] = build_layer(moe_fp4_dispatch=False)
 if has_training:
-    from megatron_fp4.options import UnsupportedConfiguration as FP4DispatchUnsupported, add_arguments as add_fp4_args
+    from megatron_fp4.options import UnsupportedConfiguration, add_arguments
 
     torch.cuda.is_available = lambda: True  # the refusals check for GPUs; this is a CPU test
+    torch.cuda.get_device_capability = lambda *device: (9, 0)  # a Hopper GPU, as far as they can tell
     args = parse(base + fp4_flags)
     report["args"] = fp4_items(args)
     report["config"] = fp4_items(core_transformer_config_from_args(args))
     report["default_args"] = fp4_items(parse(base))
-    report["launcher_args"] = fp4_items(parse(base + fp4_flags, extra_args_provider=add_fp4_args))
+    report["launcher_args"] = fp4_items(parse(base + fp4_flags, extra_args_provider=add_arguments))
     try:
         core_transformer_config_from_args(parse(base + fp4_flags + ["--moe-token-dispatcher-type", "allgather"]))
         report["refusal"] = None
-    except FP4DispatchUnsupported as error:
+    except UnsupportedConfiguration as error:
         report["refusal"] = str(error)
 print("REPORT " + json.dumps(report))
 '''
@@ -574,7 +575,7 @@ def test_patched_tree_imports_and_picks_the_dispatcher(line_name, pristine, tmp_
     assert report["arguments_file"] == str(tree / ARGUMENTS)
     assert report["hidden_args"] == {} and report["hidden_config"] == {}
     assert report["hidden_flag"] == "exit 2"  # argparse: unrecognized arguments
-    # Every moe_fp4_* argument reaches the config (whatever flags add_fp4_args has by now).
+    # Every moe_fp4_* argument reaches the config (whatever flags add_arguments has by now).
     assert report["config"] == report["args"] == report["launcher_args"]
     assert {key: report["args"][key] for key in fp4} == fp4
     default = report["default_args"]
