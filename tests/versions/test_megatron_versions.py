@@ -93,3 +93,12 @@ def test_the_matrix_covers_every_release_line_the_start_up_check_accepts():
     assert low_major == high_major == 0, "the range below assumes 0.x lines"
     lines = sorted(tuple(int(n) for n in version.split(".")[:2]) for version in VERSIONS)
     assert lines == [(0, minor) for minor in range(low_minor, high_minor + 1)], (lines, SUPPORTED_MEGATRON_CORE)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_moe_layer_call_order(version):
+    """FP4MoELayer's protocol rests on MoELayer.forward's step order and data flow
+    (tests/integration/test_megatron_call_order.py): the same reading of each release's source."""
+    from support.megatron_call_order import check_step_calls
+
+    check_step_calls((_version_folder(version) / "megatron" / "core" / "transformer" / "moe" / "moe_layer.py").read_text())
