@@ -356,10 +356,10 @@ REFUSALS = (
             "--moe-permute-fusion or --moe-pad-expert-input-to-capacity: the payload rows are reordered like the "
             "experts' input by the unfused sort; drop those flags."),
     # What our FP8 experts implement.
-    Refusal("--moe-fp4-experts fp8 with a dispatcher other than alltoall",
-            lambda o, m, e, r: _fp8_experts(o) and m.dispatcher_type != "alltoall",
-            "--moe-fp4-experts fp8 needs --moe-token-dispatcher-type alltoall (got {dispatcher_type}): the other "
-            "dispatchers hand the experts buffers and layouts it does not serve."),
+    Refusal("--moe-fp4-experts fp8 with the flex dispatcher",
+            lambda o, m, e, r: _fp8_experts(o) and m.dispatcher_type == "flex",
+            "--moe-fp4-experts fp8 does not support --moe-token-dispatcher-type flex: that dispatcher hands the "
+            "experts DeepEP / NCCL-EP buffers it does not serve; use alltoall."),
     Refusal("--moe-fp4-experts fp8 without SwiGLU",
             lambda o, m, e, r: _fp8_experts(o) and not m.swiglu,
             "--moe-fp4-experts fp8 implements SwiGLU experts only: add --swiglu."),

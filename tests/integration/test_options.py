@@ -150,7 +150,7 @@ def test_fp8_experts_flag_parses_and_works_with_and_without_fp4_dispatch():
     ({"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}, "drop moe_act"),
     ({"moe_pad_expert_input_to_capacity": True}, "--moe-pad-expert-input-to-capacity"),
     ({"overlap_moe_expert_parallel_comm": True, "moe_fp4_dispatch": False}, "--overlap-moe-expert-parallel-comm"),
-    ({"moe_token_dispatcher_type": "flex", "moe_fp4_dispatch": False}, "alltoall"),
+    ({"moe_token_dispatcher_type": "flex", "moe_fp4_dispatch": False}, "does not support --moe-token-dispatcher-type flex"),
 ])
 def test_fp8_experts_refusals(overrides, message):
     with pytest.raises(UnsupportedConfiguration, match=message):
@@ -207,6 +207,10 @@ def test_the_patch_route_refuses_what_needs_the_plugins_layer():
         with pytest.raises(UnsupportedConfiguration, match="patched with `megatron-fp4 patch`"):
             _check(_config(**flags), route=Route.PATCH)
     _check(_config(), route=Route.PATCH)
+
+
+def test_fp8_experts_serve_the_allgather_dispatcher_too():
+    _check(_fp8_experts(moe_fp4_dispatch=False, moe_token_dispatcher_type="allgather"))
 
 
 def test_fp8_experts_need_hopper():
