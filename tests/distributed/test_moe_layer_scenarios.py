@@ -13,7 +13,7 @@ from support.two_ranks import run_on_two_ranks
 RUN = "support.moe_layer_checks.run_scenario"
 # Wall-clock limits per scenario (both ranks), generous against the measured times.
 GPU_TIMEOUT_S = 240
-EMULATED_TIMEOUT_S = 900
+EMULATED_TIMEOUT_S = 1800  # cache-pipeline-vpp2-fp8-experts: 878 s on 2 busy cores
 
 
 @pytest.mark.gpu
