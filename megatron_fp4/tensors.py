@@ -167,3 +167,28 @@ class FP8BlockWeight:
 
     def scaled_mm_operand(self):
         return self.data.t(), self.block_scales.t()
+
+
+@dataclass(frozen=True)
+class FP8StackedWeights:
+    """The weights of all local experts of one linear layer as one operand of the grouped GEMMs:
+    data [E, rows, cols] and block_scales [E, rows/128, padded_scale_columns(cols)], expert e's
+    part being the FP8BlockWeight `self[e]`."""
+
+    data: torch.Tensor
+    block_scales: torch.Tensor
+
+    def __post_init__(self):
+        if self.data.dim() != 3 or self.block_scales.dim() != 3 or self.data.shape[0] != self.block_scales.shape[0]:
+            raise ValueError(f"expected data [E, rows, cols] and block_scales [E, rows/128, *], got "
+                             f"{tuple(self.data.shape)} and {tuple(self.block_scales.shape)}")
+        if not (self.data.is_contiguous() and self.block_scales.is_contiguous()):
+            raise ValueError("stacked weights must be contiguous")
+        self[0]  # validates one expert's shapes and dtypes
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, expert: int) -> FP8BlockWeight:
+        return FP8BlockWeight(self.data[expert], self.block_scales[expert])

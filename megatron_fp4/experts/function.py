@@ -48,22 +48,36 @@ def _dummy_grad(param: torch.Tensor, dtype, zero: bool) -> torch.Tensor:
     return _dummy_grads[key]
 
 
-def weight_gradient(param: torch.Tensor, grad: Optional[torch.Tensor], dtype,
-                    accumulate_in_main_grad: bool) -> Optional[torch.Tensor]:
-    """What backward returns for `param` (grad None: the expert had no tokens, a zero gradient).
-    With fused accumulation the gradient is added to param.main_grad here, and (as Megatron's linear
-    layers do under DDP) a shared dummy is returned so that DDP's hook, which sees
-    grad_added_to_main_grad, runs on the main thread and adds nothing."""
-    if not (accumulate_in_main_grad and getattr(param, "main_grad", None) is not None):
-        return torch.zeros_like(param) if grad is None else grad.to(param.dtype)
-    if grad is not None:
-        # The GEMM's BF16 output is added in fp32: one more BF16 rounding per micro-batch than
-        # Megatron's fused fp32 wgrad (its unfused path rounds the same way).
-        param.main_grad.add_(grad)
+def _added_to_main_grad(param: torch.Tensor, dtype) -> Optional[torch.Tensor]:
+    """What backward returns for a parameter whose gradient went into main_grad: as Megatron's linear
+    layers do under DDP, a shared dummy, so that DDP's hook, which sees grad_added_to_main_grad,
+    runs on the main thread and adds nothing."""
     if not hasattr(param, "grad_added_to_main_grad"):
         return None
     param.grad_added_to_main_grad = True
     return _dummy_grad(param, dtype, zero=getattr(param, "zero_out_wgrad", False))
+
+
+def _fused_main_grads(params, accumulate_in_main_grad: bool) -> Optional[list]:
+    """The parameters' main_grad buffers when Megatron fuses gradient accumulation, else None."""
+    main_grads = [getattr(param, "main_grad", None) for param in params]
+    if accumulate_in_main_grad and all(g is not None for g in main_grads):
+        return main_grads
+    return None
+
+
+def weight_gradients(params, grad_cols, input_cols, dtype, accumulate_in_main_grad: bool) -> list:
+    """What backward returns for the experts' weights of one linear layer, from the colwise gradient
+    and input (None for both: no tokens, a zero gradient). With fused accumulation the grouped wgrad
+    adds its fp32 sums straight into main_grad (no BF16 rounding, as Megatron's fused wgrad)."""
+    main_grads = _fused_main_grads(params, accumulate_in_main_grad)
+    if main_grads is not None:
+        if grad_cols is not None:
+            K.grouped_wgrad(grad_cols, input_cols, accumulate_into=main_grads)
+        return [_added_to_main_grad(param, dtype) for param in params]
+    if grad_cols is None:
+        return [torch.zeros_like(param) for param in params]
+    return [grad.to(param.dtype) for param, grad in zip(params, K.grouped_wgrad(grad_cols, input_cols, dtype))]
 
 
 class FP8ExpertsFunction(torch.autograd.Function):
@@ -108,13 +122,12 @@ class FP8ExpertsFunction(torch.autograd.Function):
         fc1_weights, fc2_weights = weights[:num_experts], weights[num_experts:]
         dtype = grad_output.dtype
 
-        def deliver(param, grad):
-            # Into main_grad at once when fused, so that each expert's gradient is freed in the loop.
-            return weight_gradient(param, grad, dtype, call.accumulate_in_main_grad)
+        def wgrads(params, grad_cols, input_cols):
+            return weight_gradients(params, grad_cols, input_cols, dtype, call.accumulate_in_main_grad)
 
         if segments.num_tokens == 0:  # a rank that received no tokens this step
             grad_input = grad_output.new_zeros(0, hidden)
-            return (None, grad_input, torch.zeros_like(probs), None, *_with_empty_experts([], weights, deliver))
+            return (None, grad_input, torch.zeros_like(probs), None, *wgrads(weights, None, None))
         grad_output = grad_output.contiguous()
         counts = segments.counts_device
 
@@ -128,7 +141,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         else:
             fc2_in_cols = K.quantize_fp8_cols(saved_fc2_in, counts, check_counts=False)
             fc1_out = saved_fc1_out
-        grad_fc2_in, grad_fc2 = _linear_backward(segments, grad_output, fc2_in_cols, fc2_weights, deliver)
+        grad_fc2_in, grad_fc2 = _linear_backward(segments, grad_output, fc2_in_cols, fc2_weights, wgrads)
         del fc2_in_cols
         grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
         del fc1_out, grad_fc2_in
@@ -138,58 +151,24 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input, hidden), counts, check_counts=False)
         else:
             input_cols = K.quantize_fp8_cols(saved_input, counts, check_counts=False)
-        grad_input, grad_fc1 = _linear_backward(segments, grad_fc1_out, input_cols, fc1_weights, deliver)
+        grad_input, grad_fc1 = _linear_backward(segments, grad_fc1_out, input_cols, fc1_weights, wgrads)
         del grad_fc1_out, input_cols
-        return (None, grad_input, grad_probs, None, *_with_empty_experts(grad_fc1 + grad_fc2, weights, deliver))
-
-
-def _products_by_weight(segments: ExpertSegments, rows, weights: List[Optional[FP8BlockWeight]], width: int,
-                        dtype) -> torch.Tensor:
-    """[tokens, width]: each expert segment's rows times its weight (128x128 blocks, [N, K]), each GEMM
-    writing straight into the result. A segment's M is padded to a multiple of 4 (rows_segments), so
-    its last product rows spill into the next segment's, which the next expert overwrites (they
-    run in order), or into the spare rows past the end."""
-    buffer = torch.empty(segments.num_tokens + M_MULTIPLE - 1, width, dtype=dtype,
-                         device=rows.data.device)
-    busy = list(segments.non_empty())
-    operands = rows_segments(rows, [(first, end) for _, first, end, _, _ in busy])
-    for (expert, first, *_), (a, scale_a) in zip(busy, operands):
-        gemm_by_weight(a, scale_a, weights[expert], dtype, out=buffer[first : first + a.shape[0]])
-    return buffer[: segments.num_tokens]
+        return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
 
 
 def _linear_forward(segments: ExpertSegments, rows, weights, dtype) -> torch.Tensor:
-    """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks)."""
-    return _products_by_weight(segments, rows, _quantized(segments, weights), weights[0].shape[0], dtype)
+    """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks), one
+    grouped GEMM."""
+    return K.grouped_gemm_by_weight(rows, K.quantize_fp8_weights_stacked(weights), segments.row_offsets_device,
+                                    dtype)
 
 
-def _quantized(segments: ExpertSegments, weights, transpose: bool = False) -> List[Optional[FP8BlockWeight]]:
-    """The 128x128 FP8 blocks of the weights of experts with tokens (one launch), None for the others."""
-    busy = [expert for expert, *_ in segments.non_empty()]
-    quantized: List[Optional[FP8BlockWeight]] = [None] * len(weights)
-    if not busy:
-        return quantized
-    for expert, weight in zip(busy, K.quantize_fp8_weights([weights[e] for e in busy], transpose)):
-        quantized[expert] = weight
-    return quantized
-
-
-def _linear_backward(segments: ExpertSegments, grad: torch.Tensor, input_cols, weights, deliver):
-    """Backward of Y = X W_e^T for every expert segment, in FP8: dX (gradient 1x128 rows times W_e
-    in 128x128 blocks, transposed) into one [tokens, in] buffer, and dW_e (gradient and input both
-    1x128 along the segment's tokens), delivered one expert at a time. Experts without tokens get None."""
+def _linear_backward(segments: ExpertSegments, grad: torch.Tensor, input_cols, weights, wgrads):
+    """Backward of Y = X W_e^T for every expert segment, in FP8, one grouped GEMM each: dX (gradient
+    1x128 rows times W_e^T in 128x128 blocks) and dW_e (gradient and input both 1x128 along the
+    segment's tokens; zero for an expert without tokens), delivered together."""
     dtype = grad.dtype
-    grad_input = _products_by_weight(segments, K.quantize_fp8_rows(grad), _quantized(segments, weights, transpose=True),
-                                     weights[0].shape[1], dtype)
+    grad_input = K.grouped_gemm_by_weight(K.quantize_fp8_rows(grad), K.quantize_fp8_weights_stacked(weights, True),
+                                          segments.row_offsets_device, dtype)
     grad_cols = K.quantize_fp8_cols(grad, segments.counts_device, check_counts=False)
-    grad_weights: List[Optional[torch.Tensor]] = [None] * len(weights)
-    for expert, _, _, col, col_end in segments.non_empty():
-        grad_weights[expert] = deliver(weights[expert], gemm_1x128(
-            *columns_segment(grad_cols, col, col_end), *columns_segment_as_b(input_cols, col, col_end), dtype))
-    return grad_input, grad_weights
-
-
-def _with_empty_experts(grads: List[Optional[torch.Tensor]], weights, deliver) -> list:
-    """The weight gradients to return: experts that had no tokens (None, or missing) get a zero gradient."""
-    grads = grads or [None] * len(weights)
-    return [deliver(param, None) if grad is None else grad for param, grad in zip(weights, grads)]
+    return grad_input, wgrads(weights, grad_cols, input_cols)

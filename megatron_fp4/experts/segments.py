@@ -1,12 +1,10 @@
-"""Where each local expert's tokens sit: rows of the row-major operands, and 128-aligned columns
-of the colwise (wgrad) operands. Counts come from the dispatcher, already on the host."""
+"""Where each local expert's tokens sit: its rows of the row-major operands. Counts come from the
+dispatcher, already on the host; the kernels read them, and the row offsets, on the device."""
 
 from dataclasses import dataclass
-from typing import Iterator, List, Tuple
+from typing import List
 
 import torch
-
-from ..layout import padded_segment_offsets
 
 
 @dataclass(frozen=True)
@@ -14,7 +12,7 @@ class ExpertSegments:
     counts: List[int]
     counts_device: torch.Tensor  # int64 [E] on the tokens' device, for the column kernels
     row_offsets: List[int]  # [E + 1]
-    column_offsets: List[int]  # [E + 1], multiples of 128 (the column kernels' layout)
+    row_offsets_device: torch.Tensor  # int64 [E + 1] on the tokens' device, for the grouped GEMMs
 
     @classmethod
     def of(cls, tokens_per_expert, device: torch.device) -> "ExpertSegments":
@@ -22,21 +20,13 @@ class ExpertSegments:
         counts = host.tolist()
         if any(n < 0 for n in counts):
             raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
+        rows = torch.nn.functional.pad(torch.cumsum(host, 0), (1, 0))
+        # One pinned copy of counts and offsets goes to the GPU without waiting for it (no host sync).
+        both = torch.cat([host, rows])
         if device.type == "cuda":
-            # A pinned copy goes to the GPU without waiting for it (no host sync).
-            counts_device = host.pin_memory().to(device, non_blocking=True)
-        else:
-            counts_device = host
-        rows = torch.nn.functional.pad(torch.cumsum(host, 0), (1, 0)).tolist()
-        return cls(counts, counts_device, rows, padded_segment_offsets(host).tolist())
+            both = both.pin_memory().to(device, non_blocking=True)
+        return cls(counts, both[: len(counts)], rows.tolist(), both[len(counts):])
 
     @property
     def num_tokens(self) -> int:
         return self.row_offsets[-1]
-
-    def non_empty(self) -> Iterator[Tuple[int, int, int, int, int]]:
-        """(expert, first row, end row, first column, end column) of each expert with tokens."""
-        for expert, count in enumerate(self.counts):
-            if count:
-                yield (expert, self.row_offsets[expert], self.row_offsets[expert + 1],
-                       self.column_offsets[expert], self.column_offsets[expert + 1])

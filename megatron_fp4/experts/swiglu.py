@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..kernels._bits import fp32_to_bf16_bits
+from ..kernels._bits import store_rounded
 from ..kernels._checks import interpreter_enabled
 from ..kernels._sm90_spec import BuildVariant, KernelSpec
 
@@ -60,16 +60,6 @@ def swiglu_with_probs_backward_eager(fc1_out: torch.Tensor, probs: torch.Tensor,
 
 
 @triton.jit
-def _store_rounded(ptr, value, mask, AS_BF16_BITS: tl.constexpr):
-    """Store fp32 values rounded to the buffer's type; a BF16 buffer is passed as int16 and rounded
-    here to nearest even (Triton's interpreter truncates in .to(tl.bfloat16))."""
-    if AS_BF16_BITS:
-        tl.store(ptr, fp32_to_bf16_bits(value).to(tl.int16), mask=mask)
-    else:
-        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _swiglu_backward_kernel(fc1_out_ptr, probs_ptr, grad_ptr, grad_fc1_out_ptr, grad_probs_ptr, num_rows, offset,
                             FFN: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_FFN: tl.constexpr,
                             GRAD_BF16: tl.constexpr, PROBS_BF16: tl.constexpr):
@@ -91,9 +81,9 @@ def _swiglu_backward_kernel(fc1_out_ptr, probs_ptr, grad_ptr, grad_fc1_out_ptr, 
         grad_act = grad * prob
         grad_gate = grad_act * linear * sigmoid * (1 + gate * (1 - sigmoid))
         out_at = grad_fc1_out_ptr + row64 * (2 * FFN) + col
-        _store_rounded(out_at, grad_gate, mask, GRAD_BF16)
-        _store_rounded(out_at + FFN, grad_act * silu, mask, GRAD_BF16)
-    _store_rounded(grad_probs_ptr + row, grad_prob, row_ok, PROBS_BF16)
+        store_rounded(out_at, grad_gate, mask, GRAD_BF16)
+        store_rounded(out_at + FFN, grad_act * silu, mask, GRAD_BF16)
+    store_rounded(grad_probs_ptr + row, grad_prob, row_ok, PROBS_BF16)
 
 
 def swiglu_with_probs_backward(fc1_out: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor,

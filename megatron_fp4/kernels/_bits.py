@@ -115,6 +115,16 @@ def fp32_to_bf16_bits(value):
 
 
 @triton.jit
+def store_rounded(ptr, value, mask, AS_BF16_BITS: tl.constexpr):
+    """Store fp32 values rounded to the buffer's type; a BF16 buffer is passed as int16 and rounded
+    here to nearest even (Triton's interpreter truncates in .to(tl.bfloat16))."""
+    if AS_BF16_BITS:
+        tl.store(ptr, fp32_to_bf16_bits(value).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def pow2_fp32(log2_value):
     """2^log2_value as fp32 for int32 log2_value in [-149, 127], built from bits (subnormals too)."""
     normal = ((log2_value + 127) << 23).to(tl.float32, bitcast=True)

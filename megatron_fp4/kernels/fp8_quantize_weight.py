@@ -11,7 +11,6 @@ instead of one per expert matters on the host: the experts' forward and backward
 that Python launch overhead shows.
 """
 
-from collections import OrderedDict
 from typing import List, Sequence
 
 import torch
@@ -19,7 +18,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_BLOCK
-from ..tensors import FP8BlockWeight, padded_scale_columns
+from ..tensors import FP8BlockWeight, FP8StackedWeights, padded_scale_columns
+from ._addresses import address_table
 from ._bits import fp32_bits_to_e4m3, fp8_block_scale, unpack_float_pair
 from ._checks import check_float_matrix, float_kind, pair_view
 from ._format_constants import E4M3_NAN
@@ -85,6 +85,12 @@ def quantize_fp8_weight(w: torch.Tensor, transpose: bool = False) -> FP8BlockWei
 def quantize_fp8_weights(weights: Sequence[torch.Tensor], transpose: bool = False) -> List[FP8BlockWeight]:
     """quantize_fp8_weight of each of several weights of one shape, dtype and device, in one launch.
     The results are views of one buffer holding them all."""
+    stacked = quantize_fp8_weights_stacked(weights, transpose)
+    return [stacked[e] for e in range(stacked.num_experts)]
+
+
+def quantize_fp8_weights_stacked(weights: Sequence[torch.Tensor], transpose: bool = False) -> FP8StackedWeights:
+    """quantize_fp8_weights as one [E, rows, cols] operand (the grouped GEMMs')."""
     name = "quantize_fp8_weights"
     if not weights:
         raise ValueError(f"{name}: no weights given")
@@ -102,7 +108,7 @@ def quantize_fp8_weights(weights: Sequence[torch.Tensor], transpose: bool = Fals
     block_scales = torch.ones(len(weights), out_rows // FP8_BLOCK, padded_scale_columns(out_cols),
                               dtype=torch.float32, device=first.device)
     _quantize_fp8_weight_kernel[(rows // FP8_BLOCK, cols // FP8_BLOCK, len(weights))](
-        _address_table([pair_view(w) for w in weights]),
+        address_table(name, [pair_view(w) for w in weights]),
         data.view(torch.uint8),
         block_scales,
         ROWS=rows,
@@ -113,33 +119,7 @@ def quantize_fp8_weights(weights: Sequence[torch.Tensor], transpose: bool = Fals
         BLOCK=FP8_BLOCK,
         num_warps=_NUM_WARPS,
     )
-    return [FP8BlockWeight(d, s) for d, s in zip(data, block_scales)]
-
-
-# Address tables by (device, addresses): a model's parameters do not move, so each layer's table is
-# copied to the device once, and no step waits on a host-to-device copy. Bounded, for callers whose
-# tensors do move.
-_address_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_MAX_ADDRESS_TABLES = 1024
-
-
-def _address_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    addresses = tuple(t.data_ptr() for t in tensors)
-    if any(a % 16 for a in addresses):
-        raise ValueError("quantize_fp8_weights: every weight must start 16-byte aligned")
-    device = tensors[0].device
-    key = (device, addresses)
-    table = _address_tables.get(key)
-    if table is None:
-        table = torch.tensor(addresses, dtype=torch.int64)
-        if device.type == "cuda":
-            table = table.pin_memory().to(device, non_blocking=True)
-        _address_tables[key] = table
-        if len(_address_tables) > _MAX_ADDRESS_TABLES:
-            _address_tables.popitem(last=False)
-    else:
-        _address_tables.move_to_end(key)
-    return table
+    return FP8StackedWeights(data, block_scales)
 
 
 def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:

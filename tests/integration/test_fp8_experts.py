@@ -192,12 +192,17 @@ def test_weight_gradients_accumulate_in_main_grad_when_fused(model_parallel, dev
     received = ref.dequantize_mxfp4(payload)
     _run(experts, received, probs, grad, payload)
     for p in fused.parameters():
-        p.main_grad = torch.full(p.shape, 1.0, dtype=torch.float32, device=device)
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
         p.grad_added_to_main_grad = False
     _run(fused, received, probs, grad, payload)
+    first = {name: p.main_grad.clone() for name, p in fused.named_parameters()}
+    _run(fused, received, probs, grad, payload)  # a second micro-batch adds the same sums
     for (name, p), p_fused in zip(experts.named_parameters(), fused.parameters()):
         assert p_fused.grad_added_to_main_grad, name
-        assert torch.equal(p_fused.main_grad, 1.0 + p.grad.float()), name
+        # The fp32 sums go into main_grad unrounded; the unfused gradient is their BF16 rounding.
+        assert torch.equal(first[name].to(p.grad.dtype), p.grad), name
+        assert torch.equal(p_fused.main_grad, 2 * first[name]), name
+    assert any(not torch.equal(g, g.bfloat16().float()) for g in first.values()), "main_grad was rounded to BF16"
 
 
 def test_checkpoint_keys_and_shapes_are_sequential_mlps(model_parallel, device):

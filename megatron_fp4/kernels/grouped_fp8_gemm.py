@@ -1,0 +1,265 @@
+"""Grouped FP8 GEMMs over the local experts' ragged token segments: one launch per GEMM.
+
+Block scales as DeepSeek-V3 trains with them: activations and gradients in 1x128 blocks, weights
+in 128x128 blocks. Every K step of 128 is one scaled product: the tile's FP8 product, accumulated in
+fp32 by the tensor cores, is multiplied by the row scale times the column scale and added to an fp32
+accumulator (the "promotion" DeepGEMM does; cuBLASLt's blockwise GEMM computes the same sum).
+
+- `grouped_gemm_by_weight` (fprop, dgrad): Y[rows of expert e] = X[rows of e] W_e^T, X [M, K] in
+  1x128 rows, W [E, N, K] in 128x128 blocks. The rows of all experts form one tile space: expert e
+  contributes ceil(n_e / BLOCK_M) row tiles, so a small expert costs one tile, not one launch, and
+  the GPU stays busy while any tile is left. Each program derives its expert from the segment offsets
+  on the device (E is small), so no host sync or table is needed; the grid is sized for the worst
+  case (ceil(M / BLOCK_M) + E row tiles) and the spare programs return at once.
+- `grouped_wgrad`: dW_e [N, K] = dY_e^T X_e for every expert, both operands colwise (1x128 along
+  the tokens, each segment starting at a multiple of 128 columns and zero-filled past its tokens,
+  as the column kernels write them). An expert without tokens gets a zero gradient.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import FP8_BLOCK
+from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights
+from ._addresses import address_table
+from ._bits import store_rounded
+from ._checks import check_kernel_device
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Output tile, warps, pipeline stages and row tiles per L2 group of one grouped GEMM launch."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+# Chosen on H200 at DeepSeek-V3's expert shapes (benchmarks/bench_grouped_gemm.py sweeps them).
+DEFAULT_ROWS_TILES = GemmTiles(block_m=128, block_n=128, num_warps=8, num_stages=4)
+DEFAULT_WGRAD_TILES = GemmTiles(block_m=128, block_n=128, num_warps=8, num_stages=4)
+
+
+@triton.jit
+def _tile_of_expert(offsets_ptr, num_experts, tile, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row tile `tile` of the flat tile space: (expert, first row, end row of the expert), or an
+    expert == num_experts for a tile past the last one."""
+    expert_ids = tl.arange(0, EXPERTS_POW2)
+    in_range = expert_ids < num_experts
+    starts = tl.load(offsets_ptr + expert_ids, mask=in_range, other=0)
+    ends = tl.load(offsets_ptr + expert_ids + 1, mask=in_range, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, axis=0)
+    expert = tl.sum(((tile_ends <= tile) & in_range).to(tl.int32), axis=0)
+    mine = expert_ids == expert
+    first_row = tl.sum(tl.where(mine, starts + (tile - (tile_ends - tiles)) * BLOCK_M, 0), axis=0)
+    end_row = tl.sum(tl.where(mine, ends, 0), axis=0)
+    return expert, first_row, end_row
+
+
+@triton.jit
+def _swizzled(pid, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid, GROUP_M row tiles side by side so that the weight
+    tiles they share are read while still in L2."""
+    per_group = GROUP_M * num_tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+
+@triton.jit
+def _grouped_gemm_rows_kernel(
+    a_ptr,  # fp8 [M, K] row-major
+    a_scales_ptr,  # fp32 [K / 128, M]
+    b_ptr,  # fp8 [E, N, K]
+    b_scales_ptr,  # fp32 [E, N / 128, B_SCALE_STRIDE]
+    offsets_ptr,  # int64 [E + 1]: expert e owns rows [offsets[e], offsets[e + 1])
+    c_ptr,  # [M, N] of the output dtype (BF16 as int16: store_rounded)
+    num_rows,
+    num_experts,
+    num_tiles_m,  # an upper bound: ceil(M / BLOCK_M) + E
+    N: tl.constexpr,
+    K: tl.constexpr,
+    B_SCALE_STRIDE: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # 128: one scale step
+    GROUP_M: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    num_tiles_n: tl.constexpr = N // BLOCK_N
+    tile_m, tile_n = _swizzled(tl.program_id(0), num_tiles_m, num_tiles_n, GROUP_M)
+    expert, first_row, end_row = _tile_of_expert(offsets_ptr, num_experts, tile_m, EXPERTS_POW2, BLOCK_M)
+    if expert < num_experts:
+        rows = first_row + tl.arange(0, BLOCK_M)
+        # Rows past the expert's end belong to the next expert (or are past M): their products are
+        # computed and never stored, so only the end of the tensor masks the loads.
+        load_rows = tl.minimum(rows, num_rows - 1).to(tl.int64)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        expert64 = expert.to(tl.int64)
+        a_tile = a_ptr + load_rows[:, None] * K + ks[None, :]
+        b_tile = b_ptr + expert64 * N * K + cols[None, :].to(tl.int64) * K + ks[:, None]
+        a_scale = a_scales_ptr + load_rows
+        b_scale = b_scales_ptr + expert64 * (N // BLOCK_K) * B_SCALE_STRIDE + (cols // BLOCK_K) * B_SCALE_STRIDE
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k_block in range(K // BLOCK_K):
+            a = tl.load(a_tile)
+            b = tl.load(b_tile)
+            scale = tl.load(a_scale)[:, None] * tl.load(b_scale + k_block)[None, :]
+            acc += tl.dot(a, b) * scale
+            a_tile += BLOCK_K
+            b_tile += BLOCK_K
+            a_scale += num_rows
+        out_rows = rows.to(tl.int64)
+        store_rounded(c_ptr + out_rows[:, None] * N + cols[None, :], acc, (rows < end_row)[:, None], OUT_BF16)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr,  # fp8 [N, capacity]: dY^T, colwise
+    a_scales_ptr,  # fp32 [capacity / 128, N]
+    b_ptr,  # fp8 [K, capacity]: X^T, colwise
+    b_scales_ptr,  # fp32 [capacity / 128, K]
+    offsets_ptr,  # int64 [E + 1]: expert e owns columns [offsets[e], offsets[e + 1]), multiples of 128
+    c_ptr,  # [E, N, K] of the output dtype; with ACCUMULATE int64 [E]: where each expert's fp32 [N, K] is
+    capacity,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # 128: one scale step (one block of tokens)
+    GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr,  # add into fp32 buffers (Megatron's main_grad) instead of writing c
+    OUT_BF16: tl.constexpr,
+):
+    tiles_per_expert: tl.constexpr = (N // BLOCK_M) * (K // BLOCK_N)
+    expert = tl.program_id(0) // tiles_per_expert
+    tile_m, tile_n = _swizzled(tl.program_id(0) % tiles_per_expert, N // BLOCK_M, K // BLOCK_N, GROUP_M)
+    first_col = tl.load(offsets_ptr + expert)
+    end_col = tl.load(offsets_ptr + expert + 1)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tokens = first_col + tl.arange(0, BLOCK_K)
+    a_tile = a_ptr + rows[:, None].to(tl.int64) * capacity + tokens[None, :]
+    b_tile = b_ptr + cols[None, :].to(tl.int64) * capacity + tokens[:, None]
+    a_scale = a_scales_ptr + (first_col // BLOCK_K) * N + rows
+    b_scale = b_scales_ptr + (first_col // BLOCK_K) * K + cols
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range((end_col - first_col) // BLOCK_K):
+        a = tl.load(a_tile)
+        b = tl.load(b_tile)
+        scale = tl.load(a_scale)[:, None] * tl.load(b_scale)[None, :]
+        acc += tl.dot(a, b) * scale
+        a_tile += BLOCK_K
+        b_tile += BLOCK_K
+        a_scale += N
+        b_scale += K
+    within = rows[:, None].to(tl.int64) * K + cols[None, :]
+    if ACCUMULATE:
+        out = tl.load(c_ptr + expert).to(tl.pointer_type(tl.float32)) + within
+        tl.store(out, tl.load(out) + acc)
+    else:
+        store_rounded(c_ptr + expert.to(tl.int64) * N * K + within, acc, None, OUT_BF16)
+
+
+def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
+    if n % tiles.block_n or k % FP8_BLOCK:
+        raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n} and K {k} of {FP8_BLOCK}")
+
+
+def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row_offsets: torch.Tensor,
+                           out_dtype=torch.bfloat16, tiles: GemmTiles = DEFAULT_ROWS_TILES) -> torch.Tensor:
+    """[M, N]: rows [row_offsets[e], row_offsets[e + 1]) of `rows` (1x128, [M, K]) times weights[e]^T
+    (128x128, [N, K]) for every expert e. row_offsets: int64 [E + 1] on the rows' device, from 0 to M."""
+    name = "grouped_gemm_by_weight"
+    if not isinstance(rows, FP8BlockTensor) or rows.layout != ROWWISE:
+        raise TypeError(f"{name}: expected a rowwise FP8BlockTensor")
+    if not isinstance(weights, FP8StackedWeights):
+        raise TypeError(f"{name}: expected FP8StackedWeights, got {type(weights).__name__}")
+    check_kernel_device(name, rows.data)
+    num_rows, k = rows.shape
+    num_experts, n, weight_k = weights.data.shape
+    if weight_k != k:
+        raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
+    _check_offsets(name, row_offsets, num_experts, rows.data.device)
+    _check_tiles(name, tiles, n, k)
+    out = torch.empty(num_rows, n, dtype=out_dtype, device=rows.data.device)
+    if num_rows == 0:
+        return out
+    num_tiles_m = triton.cdiv(num_rows, tiles.block_m) + num_experts
+    _grouped_gemm_rows_kernel[(num_tiles_m * (n // tiles.block_n),)](
+        rows.data, rows.block_scales, weights.data, weights.block_scales, row_offsets, _stored(out),
+        num_rows, num_experts, num_tiles_m,
+        N=n, K=k, B_SCALE_STRIDE=weights.block_scales.shape[2], EXPERTS_POW2=triton.next_power_of_2(num_experts),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
+        OUT_BF16=out_dtype == torch.bfloat16, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dtype=torch.bfloat16,
+                  accumulate_into: Optional[Sequence[torch.Tensor]] = None,
+                  tiles: GemmTiles = DEFAULT_WGRAD_TILES) -> Optional[torch.Tensor]:
+    """[E, N, K]: for every expert, its columns of grad_cols ([N, capacity], dY^T) times the same
+    columns of input_cols ([K, capacity], X^T) transposed; both colwise with the same segments.
+    With accumulate_into (one contiguous fp32 [N, K] per expert) the fp32 sums are added there
+    instead, and nothing is returned."""
+    name = "grouped_wgrad"
+    for operand in (grad_cols, input_cols):
+        if not isinstance(operand, FP8BlockTensor) or operand.layout != COLWISE:
+            raise TypeError(f"{name}: expected colwise FP8BlockTensors")
+    check_kernel_device(name, grad_cols.data)
+    n, capacity = grad_cols.shape
+    k, input_capacity = input_cols.shape
+    # Both come from the same segments (the experts' counts); comparing their offsets here would
+    # wait for the GPU.
+    if input_capacity != capacity:
+        raise ValueError(f"{name}: the operands' token columns differ ({capacity} and {input_capacity})")
+    if n % tiles.block_m or k % tiles.block_n:
+        raise ValueError(f"{name}: N {n} must be a multiple of block_m {tiles.block_m} and K {k} of block_n "
+                         f"{tiles.block_n}")
+    offsets = grad_cols.segment_offsets
+    num_experts = offsets.numel() - 1
+    if accumulate_into is None:
+        out = torch.empty(num_experts, n, k, dtype=out_dtype, device=grad_cols.data.device)
+        target = _stored(out)
+    else:
+        _check_accumulators(name, accumulate_into, num_experts, (n, k), grad_cols.data.device)
+        out, target = None, address_table(name, accumulate_into)
+    _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
+        grad_cols.data, grad_cols.block_scales, input_cols.data, input_cols.block_scales, offsets, target,
+        capacity, N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK,
+        GROUP_M=tiles.group_m, ACCUMULATE=accumulate_into is not None, OUT_BF16=out_dtype == torch.bfloat16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def _stored(out: torch.Tensor) -> torch.Tensor:
+    """The output as the kernels write it: BF16 as int16 bits rounded to nearest even by the kernel
+    (Triton's interpreter truncates in .to(tl.bfloat16), the GPU rounds: the bits agree on both)."""
+    return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+
+
+def _check_accumulators(name: str, buffers: Sequence[torch.Tensor], num_experts: int, shape, device) -> None:
+    if len(buffers) != num_experts:
+        raise ValueError(f"{name}: {len(buffers)} accumulation buffers for {num_experts} experts")
+    for buffer in buffers:
+        if buffer.dtype != torch.float32 or tuple(buffer.shape) != tuple(shape) or not buffer.is_contiguous() \
+                or buffer.device != device:
+            raise ValueError(f"{name}: each accumulation buffer must be a contiguous fp32 {list(shape)} on {device}, "
+                             f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+
+
+def _check_offsets(name: str, offsets: torch.Tensor, num_experts: int, device) -> None:
+    if offsets.dtype != torch.int64 or tuple(offsets.shape) != (num_experts + 1,) or offsets.device != device:
+        raise ValueError(f"{name}: row_offsets must be int64 [{num_experts + 1}] on {device}, got "
+                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
