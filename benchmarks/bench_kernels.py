@@ -165,7 +165,9 @@ SWEEP = {
     "mxfp4_to_fp8_rows": [TileConfig(r, c, w) for r, c, w in
                           [(8, 4, 4), (8, 8, 4), (4, 16, 4), (8, 16, 8), (4, 8, 4), (16, 16, 8)]],
     "mxfp4_to_fp8_cols": [TileConfig(128, c, w) for c, w in [(2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (8, 16)]],
-    "quantize_fp8_rows": [TileConfig(r, c, w) for r, c, w in [(8, 4, 4), (8, 8, 8)]],
+    "quantize_fp8_rows": [TileConfig(r, c, w) for r, c, w in
+                          [(8, 4, 4), (8, 8, 8), (16, 4, 4), (16, 4, 8), (4, 8, 4), (32, 2, 8), (16, 2, 4), (8, 2, 4)]],
+    "quantize_fp8_cols_ragged": [TileConfig(128, c, w) for c, w in [(16, 4), (8, 4), (32, 4), (32, 8), (64, 8)]],
     "dequantize_fp8": [TileConfig(r, c, w) for r, c, w in [(8, 4, 4), (8, 8, 8)]],
 }
 
@@ -176,8 +178,10 @@ def sweep(copy_bw: float, only: Optional[List[str]]) -> Dict[str, TileConfig]:
     best = {}
     print(f"\n== tile sweep at {tokens} x {hidden} (% of copy) ==")
     for case in build_cases(tokens, hidden):
+        # A kernel swept uniform stands for its ragged case, unless the ragged case has its own list.
         configs = SWEEP.get(case.name) or SWEEP.get(case.name.replace("_ragged", ""))
-        if not configs or case.name.endswith("_ragged") or (only and case.name not in only):
+        uniform_twin = case.name.endswith("_ragged") and case.name not in SWEEP
+        if not configs or uniform_twin or (only and case.name not in only):
             continue  # kernels without tile choices (the weight quantizer) are timed as they are
         inputs = rotating_inputs(case, tokens, hidden, gen)
         results = []

@@ -11,7 +11,7 @@
 # e.g. the patch tests, downloads from the registry, which the device machines cannot reach.)
 #
 #   benchmarks/gpu_checks.sh               # on a machine with 1+ GPUs, from anywhere
-# Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_moe_layer
+# Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_grouped_gemm bench_moe_layer
 # bench_moe_cache profile_fp4_fp8 profile_cache memcap_capped train_proxy; default all) to split the
 # work over two device calls,
 # e.g. CHECKS="bench_moe_cache profile_fp4_fp8 train_proxy" TRAIN_ITERS=200; TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
@@ -42,8 +42,9 @@ step() {  # step NAME command...: run, time, remember the exit status (only the 
 
 step tests python3 -m pytest -q -p no:warnings -rA -s -m gpu tests
 step experts_tests python3 -m pytest -q -p no:warnings -s tests/integration/test_fp8_experts.py tests/ops/test_weight_quantizer.py \
-    tests/ops/test_swiglu.py tests/ops/test_kernels.py
+    tests/ops/test_swiglu.py tests/ops/test_kernels.py tests/ops/test_grouped_gemm.py
 step bench_kernels python3 -m benchmarks.bench_kernels --sizes 16384x7168 --no-baseline
+step bench_grouped_gemm python3 -m benchmarks.bench_grouped_gemm
 if ((GPUS >= 2)); then
     EXPERTS=${BENCH_EXPERTS:-$((8 * GPUS))}
     step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.bench_moe_layer --experts "$EXPERTS"

@@ -1,26 +1,28 @@
 """The experts' forward and backward as one autograd function over all local experts.
 
-Forward, per expert segment: fc1 = X W1^T in FP8 (X from the MXFP4 payload by the exact
+Every GEMM is one grouped FP8 launch over all local experts' ragged token segments
+(kernels/grouped_fp8_gemm.py). Forward: fc1 = X W1^T (X from the MXFP4 payload by the exact
 FP4 -> FP8 row conversion, or quantized from BF16 for the FP8 baseline), SwiGLU times the probs,
-fc2 = H W2^T in FP8 from 1x128 rows of H. Weights are quantized to 128x128 blocks per use (all
-experts of a linear in one launch), never kept. Saved for backward: with a payload, the payload
-itself and MXFP4 copies of the SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x
-FFN in BF16); without one (the FP8 baseline), the same three tensors in BF16.
+fc2 = H W2^T from 1x128 rows of H. Weights are in 128x128 blocks, quantized once per optimizer step
+(weight_cache.py). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
+SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the
+FP8 baseline), the same three tensors in BF16.
 
 Backward: dgrad in FP8 (gradient 1x128 rows, weights transposed 128x128); wgrad in FP8 with both
-operands 1x128 along tokens per expert segment (the column kernels). Weight gradients go to
-main_grad when Megatron fuses gradient accumulation, as its own linear layers do.
+operands 1x128 along tokens (the column kernels' layout). With Megatron's fused gradient
+accumulation the wgrad adds its fp32 sums straight into main_grad, as its own linear layers do.
 """
 
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from .. import kernels as K
-from ..tensors import FP8BlockWeight, MXFP4Tensor
+from ..tensors import FP8StackedWeights, MXFP4Tensor
 from .gemm import M_MULTIPLE, columns_segment, columns_segment_as_b, gemm_1x128, gemm_by_weight, rows_segments
 from .segments import ExpertSegments
+from .weight_cache import FP8WeightCache
 from .swiglu import swiglu_with_probs, swiglu_with_probs_backward
 
 
@@ -33,6 +35,7 @@ class ExpertsCall:
     glu_offset: float
     accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
     backward_follows: bool = True  # False: a no-grad forward (eval, a checkpointed first pass) saves nothing
+    weight_cache: FP8WeightCache = field(default_factory=FP8WeightCache)  # the module's: FP8 weights per step
 
 
 # One dummy weight gradient per shape, dtype, device and fill, shared by all experts and layers
@@ -94,10 +97,11 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
         else:
             input_rows = K.quantize_fp8_rows(tokens)
-        fc1_out = _linear_forward(segments, input_rows, fc1_weights, dtype)
+        fc1_out = _linear_forward(segments, input_rows, call.weight_cache.get("fc1", fc1_weights, False), dtype)
         del input_rows
         fc2_in = swiglu_with_probs(fc1_out, probs, call.glu_offset, dtype)  # row-wise: all experts at once
-        output = _linear_forward(segments, K.quantize_fp8_rows(fc2_in), fc2_weights, dtype)
+        output = _linear_forward(segments, K.quantize_fp8_rows(fc2_in), call.weight_cache.get("fc2", fc2_weights, False),
+                                 dtype)
 
         if not call.backward_follows:
             return output
@@ -141,7 +145,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
         else:
             fc2_in_cols = K.quantize_fp8_cols(saved_fc2_in, counts, check_counts=False)
             fc1_out = saved_fc1_out
-        grad_fc2_in, grad_fc2 = _linear_backward(segments, grad_output, fc2_in_cols, fc2_weights, wgrads)
+        grad_fc2_in, grad_fc2 = _linear_backward(segments, grad_output, fc2_in_cols, fc2_weights,
+                                                   call.weight_cache.get("fc2", fc2_weights, True), wgrads)
         del fc2_in_cols
         grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
         del fc1_out, grad_fc2_in
@@ -151,24 +156,24 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input, hidden), counts, check_counts=False)
         else:
             input_cols = K.quantize_fp8_cols(saved_input, counts, check_counts=False)
-        grad_input, grad_fc1 = _linear_backward(segments, grad_fc1_out, input_cols, fc1_weights, wgrads)
+        grad_input, grad_fc1 = _linear_backward(segments, grad_fc1_out, input_cols, fc1_weights,
+                                                   call.weight_cache.get("fc1", fc1_weights, True), wgrads)
         del grad_fc1_out, input_cols
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
 
 
-def _linear_forward(segments: ExpertSegments, rows, weights, dtype) -> torch.Tensor:
+def _linear_forward(segments: ExpertSegments, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:
     """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks), one
     grouped GEMM."""
-    return K.grouped_gemm_by_weight(rows, K.quantize_fp8_weights_stacked(weights), segments.row_offsets_device,
-                                    dtype)
+    return K.grouped_gemm_by_weight(rows, weights, segments.row_offsets_device, dtype)
 
 
-def _linear_backward(segments: ExpertSegments, grad: torch.Tensor, input_cols, weights, wgrads):
+def _linear_backward(segments: ExpertSegments, grad: torch.Tensor, input_cols, weights,
+                     transposed: FP8StackedWeights, wgrads):
     """Backward of Y = X W_e^T for every expert segment, in FP8, one grouped GEMM each: dX (gradient
-    1x128 rows times W_e^T in 128x128 blocks) and dW_e (gradient and input both 1x128 along the
-    segment's tokens; zero for an expert without tokens), delivered together."""
-    dtype = grad.dtype
-    grad_input = K.grouped_gemm_by_weight(K.quantize_fp8_rows(grad), K.quantize_fp8_weights_stacked(weights, True),
-                                          segments.row_offsets_device, dtype)
+    1x128 rows times W_e^T in 128x128 blocks: `transposed`) and dW_e (gradient and input both 1x128
+    along the segment's tokens; zero for an expert without tokens), delivered together."""
+    grad_input = K.grouped_gemm_by_weight(K.quantize_fp8_rows(grad), transposed, segments.row_offsets_device,
+                                          grad.dtype)
     grad_cols = K.quantize_fp8_cols(grad, segments.counts_device, check_counts=False)
     return grad_input, wgrads(weights, grad_cols, input_cols)

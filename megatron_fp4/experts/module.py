@@ -18,6 +18,7 @@ from ..options import ExpertsPrecision, FP4Options, ModelSettings, Route, valida
 from ..tensors import MXFP4Tensor
 from .function import ExpertsCall, FP8ExpertsFunction
 from .segments import ExpertSegments
+from .weight_cache import FP8WeightCache
 
 
 class FP8Experts(SequentialMLP):
@@ -32,6 +33,7 @@ class FP8Experts(SequentialMLP):
         self.accumulate_in_main_grad = bool(config.gradient_accumulation_fusion)
         # The MXFP4 rule for the activations these experts save (the payload brings its own).
         self.scale_rule = options.scale_rule
+        self.weight_cache = FP8WeightCache()
 
     def _run_weight_holders_pre_hooks(self) -> None:
         """The linear layers' forward never runs, but hooks on it may guard their weights: Megatron's
@@ -62,7 +64,8 @@ class FP8Experts(SequentialMLP):
         backward_follows = torch.is_grad_enabled() and (
             tokens.requires_grad or permuted_probs.requires_grad or any(w.requires_grad for w in weights))
         call = ExpertsCall(segments, payload.scale_rule if payload is not None else self.scale_rule,
-                           float(self.config.glu_linear_offset), self.accumulate_in_main_grad, backward_follows)
+                           float(self.config.glu_linear_offset), self.accumulate_in_main_grad, backward_follows,
+                           self.weight_cache)
         output = FP8ExpertsFunction.apply(call, tokens, permuted_probs,
                                           payload.rows if payload is not None else None, *weights)
         return output, None

@@ -17,17 +17,18 @@ accumulator (the "promotion" DeepGEMM does; cuBLASLt's blockwise GEMM computes t
 """
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from ..formats import FP8_BLOCK
-from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights
+from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights, padded_scale_columns
 from ._addresses import address_table
 from ._bits import store_rounded
 from ._checks import check_kernel_device
+from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def _grouped_wgrad_kernel(
     b_scales_ptr,  # fp32 [capacity / 128, K]
     offsets_ptr,  # int64 [E + 1]: expert e owns columns [offsets[e], offsets[e + 1]), multiples of 128
     c_ptr,  # [E, N, K] of the output dtype; with ACCUMULATE int64 [E]: where each expert's fp32 [N, K] is
-    capacity,
+    row_stride,  # the operands' token capacity (a multiple of 128)
     N: tl.constexpr,
     K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -143,13 +144,14 @@ def _grouped_wgrad_kernel(
     tiles_per_expert: tl.constexpr = (N // BLOCK_M) * (K // BLOCK_N)
     expert = tl.program_id(0) // tiles_per_expert
     tile_m, tile_n = _swizzled(tl.program_id(0) % tiles_per_expert, N // BLOCK_M, K // BLOCK_N, GROUP_M)
-    first_col = tl.load(offsets_ptr + expert)
+    # Segments start at multiples of 128 columns: said to the compiler, for 16-byte async copies.
+    first_col = tl.multiple_of(tl.load(offsets_ptr + expert), BLOCK_K)
     end_col = tl.load(offsets_ptr + expert + 1)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = first_col + tl.arange(0, BLOCK_K)
-    a_tile = a_ptr + rows[:, None].to(tl.int64) * capacity + tokens[None, :]
-    b_tile = b_ptr + cols[None, :].to(tl.int64) * capacity + tokens[:, None]
+    a_tile = a_ptr + rows[:, None].to(tl.int64) * row_stride + tokens[None, :]
+    b_tile = b_ptr + cols[None, :].to(tl.int64) * row_stride + tokens[:, None]
     a_scale = a_scales_ptr + (first_col // BLOCK_K) * N + rows
     b_scale = b_scales_ptr + (first_col // BLOCK_K) * K + cols
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -263,3 +265,26 @@ def _check_offsets(name: str, offsets: torch.Tensor, num_experts: int, device) -
     if offsets.dtype != torch.int64 or tuple(offsets.shape) != (num_experts + 1,) or offsets.device != device:
         raise ValueError(f"{name}: row_offsets must be int64 [{num_experts + 1}] on {device}, got "
                          f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """Both kernels at their default tiles for fc1's shape at the variant's hidden size (fprop:
+    N = 4096, K = hidden; wgrad: [4096, hidden]), as sm90_build compiles them."""
+    n, k = 2 * 2048, variant.hidden
+    rows_tiles, wgrad_tiles = DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES
+    return [
+        KernelSpec("grouped_gemm_by_weight", _grouped_gemm_rows_kernel,
+                   {"a_ptr": "*fp8e4nv", "a_scales_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scales_ptr": "*fp32",
+                    "offsets_ptr": "*i64", "c_ptr": "*i16", "num_rows": "i32", "num_experts": "i32",
+                    "num_tiles_m": "i32"},
+                   {"N": n, "K": k, "B_SCALE_STRIDE": padded_scale_columns(k), "EXPERTS_POW2": EXPERTS_POW2,
+                    "BLOCK_M": rows_tiles.block_m, "BLOCK_N": rows_tiles.block_n, "BLOCK_K": FP8_BLOCK,
+                    "GROUP_M": rows_tiles.group_m, "OUT_BF16": True},
+                   rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n),
+        KernelSpec("grouped_wgrad", _grouped_wgrad_kernel,
+                   {"a_ptr": "*fp8e4nv", "a_scales_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scales_ptr": "*fp32",
+                    "offsets_ptr": "*i64", "c_ptr": "*i64", "row_stride": "i32"},
+                   {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
+                    "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ACCUMULATE": True, "OUT_BF16": False},
+                   wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n),
+    ]

@@ -49,14 +49,15 @@ def build_model(plugin: bool, seed: int):
 class Run:
     """A model in Megatron's DDP with Megatron's distributed Adam, trained on fixed batches."""
 
-    def __init__(self, plugin: bool, seed: int):
+    def __init__(self, plugin: bool, seed: int, overlap_param_gather: bool = False):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
         self.gpt = gpt = build_model(plugin, seed)
         self.model = DistributedDataParallel(
-            gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+            gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                                                      overlap_param_gather=overlap_param_gather),
             Float16Module(gpt.config, gpt))
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=3e-3, bf16=True, use_distributed_optimizer=True, clip_grad=1.0),

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""The experts' grouped FP8 GEMMs on one GPU against the dense FP8 GEMM and the BF16 grouped GEMM.
+
+DeepSeek-V3 expert shapes (hidden 7168, expert FFN 2048), 32768 routed rows (4096 tokens x top-8)
+over 32 or 8 local experts with ragged counts (a quarter of the experts empty). Per GEMM (fc1 and
+fc2; fprop, dgrad and wgrad), measured in the same run:
+- ours: megatron_fp4.kernels.grouped_gemm_by_weight / grouped_wgrad, at each tile config of the
+  sweep (the best one is the row);
+- dense_scaled_mm: torch.nn.functional.scaled_mm with the same block scales on the same total M,
+  one dense GEMM (the ceiling a grouped GEMM can approach);
+- grouped_mm_bf16: torch._grouped_mm in BF16 over the same segments (what a user could write);
+- per_expert_scaled_mm: one scaled_mm per expert from Python (the experts' previous path).
+Times are wall time per call over back-to-back calls (the host included where it limits), inputs
+random and far larger than L2. Rows: bench=grouped_gemm, metric=tflops, one per reference.
+
+    python -m benchmarks.bench_grouped_gemm                  # 32 and 8 experts, the default sweep
+    python -m benchmarks.bench_grouped_gemm --experts 32 --no-sweep
+"""
+
+import argparse
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4 import kernels as K
+from megatron_fp4.formats import FP8_BLOCK
+from megatron_fp4.kernels import GemmTiles
+from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES
+from benchmarks.bench_kernels import ragged_counts
+from benchmarks.rows import Recorder
+
+HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768
+
+ROWS_SWEEP = [DEFAULT_ROWS_TILES, GemmTiles(128, 256, 8, 3), GemmTiles(64, 128, 4, 4), GemmTiles(128, 128, 4, 4),
+              GemmTiles(128, 128, 8, 3), GemmTiles(64, 256, 8, 4)]
+WGRAD_SWEEP = [DEFAULT_WGRAD_TILES, GemmTiles(128, 256, 8, 3), GemmTiles(128, 128, 4, 4), GemmTiles(64, 128, 4, 4),
+               GemmTiles(128, 128, 8, 3)]
+
+
+def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Wall time per call of `iters` back-to-back calls (no sync between them), after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / ms / 1e9
+
+
+def reference_tflops(name: str, flops: float, fn: Callable[[], object], iters: int) -> Dict[str, float]:
+    """{name: TFLOP/s} of a reference, or {} (said on stdout) where this torch refuses its operands."""
+    try:
+        return {name: tflops(flops, wall_ms(fn, iters, 3))}
+    except RuntimeError as error:
+        print(f"  {name} not measured: {str(error).splitlines()[0]}")
+        return {}
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).cuda()
+
+
+def _per_expert_loop(rows, weights, counts) -> Callable[[], None]:
+    """One scaled_mm per expert with tokens, M rounded up to a multiple of 4 as cuBLASLt requires."""
+    bounds, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            padded = -(-n // 4) * 4
+            a = rows.data[start:start + padded] if start + padded <= rows.data.shape[0] else None
+            if a is not None:
+                bounds.append((e, a, rows.block_scales[:, start:start + padded].contiguous().t()))
+        start += n
+    operands = [(a, sa, weights[e].scaled_mm_operand()) for e, a, sa in bounds]
+
+    def run():
+        for a, sa, (b, sb) in operands:
+            F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
+                        output_dtype=torch.bfloat16)
+    return run
+
+
+def rows_gemm_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
+                   record: Callable[..., None]) -> None:
+    """fprop / dgrad: X [M, K] (1x128) times W_e^T, W [E, N, K] (128x128)."""
+    experts, m = m_counts.numel(), int(m_counts.sum())
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    rows = K.quantize_fp8_rows(x)
+    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    weights = K.quantize_fp8_weights_stacked(list(w))
+    offsets = _offsets(m_counts)
+    flops = 2.0 * m * n * k
+
+    ours = {}
+    for tiles in sweep:
+        ms = wall_ms(lambda: K.grouped_gemm_by_weight(rows, weights, offsets, tiles=tiles), iters, 3)
+        ours[tiles] = tflops(flops, ms)
+        print(f"  {name} E={experts} {tiles}: {ours[tiles]:.0f} TFLOP/s")
+    best = max(ours, key=ours.get)
+
+    b, sb = weights[0].scaled_mm_operand()  # the dense reference multiplies all rows by expert 0's weight
+    dense = tflops(flops, wall_ms(lambda: F.scaled_mm(rows.data, b, rows.block_scales.t(), F.ScalingType.BlockWise1x128,
+                                                      sb, F.ScalingType.BlockWise128x128,
+                                                      output_dtype=torch.bfloat16), iters, 3))
+    offs32 = offsets[1:].to(torch.int32)
+    w_t = w.transpose(1, 2)  # [E, K, N]: torch._grouped_mm's B
+    grouped_bf16 = reference_tflops("grouped_mm_bf16", flops,
+                                    lambda: torch._grouped_mm(x, w_t, offs=offs32, out_dtype=torch.bfloat16), iters)
+    loop = tflops(flops, wall_ms(_per_expert_loop(rows, weights, m_counts), iters, 3))
+    record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16, "per_expert_scaled_mm": loop})
+
+
+def wgrad_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
+               record: Callable[..., None]) -> None:
+    """wgrad: dW_e [N, K] = dY_e^T X_e, both colwise (1x128 along tokens)."""
+    experts, m = m_counts.numel(), int(m_counts.sum())
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    counts = m_counts.cuda()
+    grad_cols, x_cols = K.quantize_fp8_cols(grad, counts), K.quantize_fp8_cols(x, counts)
+    flops = 2.0 * m * n * k
+
+    ours = {}
+    for tiles in sweep:
+        ms = wall_ms(lambda: K.grouped_wgrad(grad_cols, x_cols, tiles=tiles), iters, 3)
+        ours[tiles] = tflops(flops, ms)
+        print(f"  {name} E={experts} {tiles}: {ours[tiles]:.0f} TFLOP/s")
+    best = max(ours, key=ours.get)
+
+    # Dense: one [N, M] x [M, K] over the same token columns (all experts' padded segments as one K).
+    used = int(grad_cols.segment_offsets[-1])
+    a, sa = grad_cols.data[:, :used], grad_cols.block_scales[: used // FP8_BLOCK].t()
+    b, sb = x_cols.data[:, :used].t(), x_cols.block_scales[: used // FP8_BLOCK].t()
+    dense_ms = wall_ms(lambda: F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise1x128,
+                                           output_dtype=torch.bfloat16), iters, 3)
+    dense = tflops(2.0 * used * n * k, dense_ms)
+    grad_t = grad.t().contiguous()
+    offs32 = _offsets(m_counts)[1:].to(torch.int32)
+    grouped_bf16 = reference_tflops("grouped_mm_bf16", flops,
+                                    lambda: torch._grouped_mm(grad_t, x, offs=offs32, out_dtype=torch.bfloat16), iters)
+    record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, nargs="+", default=[32, 8], help="local experts")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-sweep", action="store_true", help="only the default tile configs")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_grouped_gemm needs a CUDA GPU (SM90)")
+    recorder = Recorder("grouped_gemm", gpus=1, hidden=HIDDEN, ffn=FFN, routed_rows=ROUTED_ROWS, iters=args.iters)
+    print(recorder.description())
+    table: List[str] = []
+
+    def record(case: str, experts: int, value: float, tiles: GemmTiles, references: Dict[str, float]) -> None:
+        for reference, reference_value in references.items():
+            recorder.add(case, "tflops", value, "TFLOP/s", reference, reference_value, better="higher",
+                         local_experts=experts, tiles=str(tiles))
+        table.append(f"| {case} | {experts} | {value:.0f} | " + " | ".join(
+            f"{references.get(r, float('nan')):.0f} ({value / references[r]:.2f}x)" if r in references else "-"
+            for r in ("dense_scaled_mm", "grouped_mm_bf16", "per_expert_scaled_mm")) + f" | {tiles} |")
+
+    rows_sweep = [DEFAULT_ROWS_TILES] if args.no_sweep else ROWS_SWEEP
+    wgrad_sweep = [DEFAULT_WGRAD_TILES] if args.no_sweep else WGRAD_SWEEP
+    for experts in args.experts:
+        counts = ragged_counts(ROUTED_ROWS, experts, seed=experts)
+        print(f"E={experts}: counts {counts.tolist()}")
+        rows_gemm_case("fc1_fprop", counts, 2 * FFN, HIDDEN, rows_sweep, args.iters, record)
+        rows_gemm_case("fc2_fprop", counts, HIDDEN, FFN, rows_sweep, args.iters, record)
+        rows_gemm_case("fc1_dgrad", counts, HIDDEN, 2 * FFN, rows_sweep, args.iters, record)
+        rows_gemm_case("fc2_dgrad", counts, FFN, HIDDEN, rows_sweep, args.iters, record)
+        wgrad_case("fc1_wgrad", counts, 2 * FFN, HIDDEN, wgrad_sweep, args.iters, record)
+        wgrad_case("fc2_wgrad", counts, HIDDEN, FFN, wgrad_sweep, args.iters, record)
+    print("| GEMM | local experts | ours TFLOP/s | dense scaled_mm | grouped_mm BF16 | per-expert scaled_mm | tiles |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(table))
+    recorder.write()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""The experts' FP8 weights, quantized once per optimizer step and reused by every micro-batch.
+
+A copy is reused only while its stamp matches: the number of optimizer steps taken in this process
+(torch's global step hook: every optimizer Megatron builds, torch's Adam, Apex's or Transformer
+Engine's fused Adam, steps through torch.optim.Optimizer.step) and each weight's address and
+in-place version (a load_state_dict or another in-place write through autograd bumps it). Megatron's
+distributed optimizer writes the new values into the weights after its inner step and, with
+--overlap-param-gather, all-gathers them in the layers' forward pre-hooks, which the experts run
+before asking for their weights: so the first forward after a step re-quantizes, from the new
+values. Writes that bypass both (a plain `param.data.copy_()` outside an optimizer step) are not
+seen: call `invalidate()` after them.
+
+Memory: one FP8 byte per weight element and orientation (W for fprop, W^T for dgrad), held from the
+first forward of a step to the first forward of the next.
+"""
+
+from typing import Dict, Sequence, Tuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .. import kernels as K
+from ..tensors import FP8StackedWeights
+
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps taken in this process (any torch optimizer)."""
+    return _optimizer_steps
+
+
+def _stamp(weights: Sequence[torch.Tensor]) -> Tuple:
+    return (_optimizer_steps,) + tuple((w.data_ptr(), w._version) for w in weights)
+
+
+class FP8WeightCache:
+    """One module's quantized weights, by (linear layer name, transposed)."""
+
+    def __init__(self):
+        self._entries: Dict[Tuple[str, bool], Tuple[Tuple, FP8StackedWeights]] = {}
+
+    def get(self, name: str, weights: Sequence[torch.Tensor], transpose: bool) -> FP8StackedWeights:
+        """The 128x128-block FP8 copy of `weights` (stacked, transposed if asked), quantized now if the
+        weights changed since the last copy."""
+        stamp = _stamp(weights)
+        entry = self._entries.get((name, transpose))
+        if entry is None or entry[0] != stamp:
+            entry = (stamp, K.quantize_fp8_weights_stacked(weights, transpose))
+            self._entries[(name, transpose)] = entry
+        return entry[1]
+
+    def invalidate(self) -> None:
+        self._entries.clear()
+
+    def held_bytes(self) -> int:
+        return sum(q.data.numel() + q.block_scales.numel() * 4 for _, q in self._entries.values())

@@ -1,0 +1,15 @@
+"""The experts' FP8 weights are quantized once per optimizer step and never used stale, inside
+Megatron's DDP and distributed optimizer, with and without --overlap-param-gather
+(tests/support/weight_cache_scenarios.py), on two gloo ranks with torch.cuda emulated."""
+
+import pytest
+import torch
+
+from support.two_ranks import run_on_two_ranks
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation of two ranks")
+
+
+@pytest.mark.parametrize("overlap_param_gather", [False, True], ids=["plain", "overlap-param-gather"])
+def test_weights_quantized_once_per_step_never_stale(overlap_param_gather):
+    run_on_two_ranks("support.weight_cache_scenarios.run", overlap_param_gather, emulated=True, timeout_s=400)

@@ -1,0 +1,198 @@
+"""The grouped FP8 GEMMs (megatron_fp4.kernels.grouped_fp8_gemm) against a float64 oracle of the
+same FP8 operands and against one scaled_mm per expert, on ragged segments: an empty expert, a
+single token, lengths that are not multiples of 4 or of 128, a segment longer than a tile.
+
+The bound, for an output y = sum over K blocks b of s_a,b s_w,b sum_k a_k w_k (s: power-of-two
+scales, a_k w_k: products of E4M3 values, exact in fp32): with D = sum_k |s_a a_k| |s_w w_k|, a
+result accumulated in fp32 in any order is within eps * D of the exact sum, eps = K * 2^-24 for a
+sequential fp32 sum (the interpreter), and the tensor cores' FP8 accumulation keeps fewer bits
+inside a block (eps_gpu below, measured and printed). Rounding to BF16 (to nearest even) adds at most
+2^-8 |y|. Two results of the same operands (ours and scaled_mm's) are therefore within
+2 eps D + 2^-8 (|y1| + |y2|) of each other; against the float64 oracle, eps D + 2^-8 |y|.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4 import kernels as K
+from megatron_fp4.kernels import GemmTiles
+from megatron_fp4.tensors import FP8BlockTensor
+
+COUNTS = [130, 0, 3, 1, 70, 0, 256]  # > a tile, empty, not a multiple of 4, one token, ..., two full tiles
+SMALL_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2)
+BF16_ROUNDING = 2.0**-8  # half a unit of the 8-bit significand
+# Measured on H200 against scaled_mm (the test prints the worst seen): FP8 tensor-core sums keep
+# about 14 bits inside a 128-block.
+EPS_GPU = 2.0**-10
+
+
+def _eps(device: torch.device, k: int) -> float:
+    return EPS_GPU if device.type == "cuda" else k * 2.0**-24
+
+
+def _rows_operand(m: int, k: int, device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # Values over 2^20 of range inside each 128-group, so the 1x128 scales matter.
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-10, 10, (m, k), generator=g).float())
+    return K.quantize_fp8_rows(x.bfloat16().to(device))
+
+
+def _weights(experts: int, n: int, k: int, device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(experts, n, k, generator=g) * torch.exp2(torch.randint(-4, 4, (experts, n, 1), generator=g).float())
+    return K.quantize_fp8_weights_stacked(list((w * 0.02).bfloat16().to(device)))
+
+
+def _dequantized_rows(t: FP8BlockTensor) -> torch.Tensor:
+    return t.data.double().cpu() * t.block_scales.t().double().cpu().repeat_interleave(128, dim=1)
+
+
+def _dequantized_weight(weight) -> torch.Tensor:
+    scales = weight.scales().double().cpu().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return weight.data.double().cpu() * scales
+
+
+def _offsets(counts, device) -> torch.Tensor:
+    return F.pad(torch.tensor(counts).cumsum(0), (1, 0)).to(device)
+
+
+def _oracle_rows(rows, weights, counts):
+    """Per expert in float64: (exact product, D = the product of absolute values)."""
+    x = _dequantized_rows(rows)
+    exact = torch.zeros(x.shape[0], weights.data.shape[1], dtype=torch.float64)
+    magnitude = torch.zeros_like(exact)
+    start = 0
+    for e, n in enumerate(counts):
+        w = _dequantized_weight(weights[e])
+        exact[start:start + n] = x[start:start + n] @ w.t()
+        magnitude[start:start + n] = x[start:start + n].abs() @ w.t().abs()
+        start += n
+    return exact, magnitude
+
+
+def _assert_within(result, exact, magnitude, eps, rounding):
+    result = result.double().cpu()
+    excess = (result - exact).abs() - (eps * magnitude + rounding * result.abs())
+    assert excess.max() <= 0, f"worst excess over the bound {excess.max():.3e}"
+
+
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default", "64x128"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_gemm_matches_the_float64_oracle(device, tiles, out_dtype):
+    k, n = 384, 256  # non-square, three K blocks
+    rows = _rows_operand(sum(COUNTS), k, device, seed=1)
+    weights = _weights(len(COUNTS), n, k, device, seed=2)
+    kwargs = {} if tiles is None else {"tiles": tiles}
+    y = K.grouped_gemm_by_weight(rows, weights, _offsets(COUNTS, device), out_dtype, **kwargs)
+    assert y.shape == (sum(COUNTS), n) and y.dtype == out_dtype
+    exact, magnitude = _oracle_rows(rows, weights, COUNTS)
+    rounding = BF16_ROUNDING if out_dtype == torch.bfloat16 else 2.0**-24
+    _assert_within(y, exact, magnitude, _eps(device, k), rounding)
+
+
+def test_grouped_gemm_propagates_nan_only_to_its_rows(device):
+    k, n, counts = 256, 128, [5, 0, 7]
+    x = torch.randn(sum(counts), k)
+    x[6, 200] = float("nan")  # expert 2's first row, second K block
+    rows = K.quantize_fp8_rows(x.bfloat16().to(device))
+    y = K.grouped_gemm_by_weight(rows, _weights(3, n, k, device, seed=3), _offsets(counts, device)).cpu()
+    assert torch.isnan(y[6]).all()
+    assert torch.isfinite(torch.cat([y[:6], y[7:]])).all()
+
+
+def test_grouped_gemm_without_rows(device):
+    rows = _rows_operand(0, 128, device, seed=4)
+    y = K.grouped_gemm_by_weight(rows, _weights(2, 128, 128, device, seed=5), _offsets([0, 0], device))
+    assert y.shape == (0, 128)
+
+
+def _cols_operands(counts, n, k, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    m = sum(counts)
+    grad = (torch.randn(m, n, generator=g) * torch.exp2(torch.randint(-8, 8, (m, 1), generator=g).float())).bfloat16()
+    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-8, 8, (m, k), generator=g).float())).bfloat16()
+    counts_device = torch.tensor(counts).to(device)
+    return K.quantize_fp8_cols(grad.to(device), counts_device), K.quantize_fp8_cols(x.to(device), counts_device)
+
+
+def _oracle_wgrad(grad_cols, x_cols):
+    grad, x = _dequantized_rows(grad_cols), _dequantized_rows(x_cols)
+    offsets = grad_cols.segment_offsets.tolist()
+    pairs = [(grad[:, a:b] @ x[:, a:b].t(), grad[:, a:b].abs() @ x[:, a:b].abs().t())
+             for a, b in zip(offsets, offsets[1:])]
+    return torch.stack([p for p, _ in pairs]), torch.stack([m for _, m in pairs])
+
+
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default", "64x128"])
+def test_grouped_wgrad_matches_the_float64_oracle(device, tiles):
+    n, k = 256, 384
+    grad_cols, x_cols = _cols_operands(COUNTS, n, k, device, seed=6)
+    kwargs = {} if tiles is None else {"tiles": tiles}
+    dw = K.grouped_wgrad(grad_cols, x_cols, **kwargs)
+    assert dw.shape == (len(COUNTS), n, k) and dw.dtype == torch.bfloat16
+    exact, magnitude = _oracle_wgrad(grad_cols, x_cols)
+    tokens = int(grad_cols.segment_offsets[-1])
+    _assert_within(dw, exact, magnitude, _eps(device, tokens), BF16_ROUNDING)
+    for e, count in enumerate(COUNTS):
+        if not count:
+            assert not dw[e].any(), f"expert {e} had no tokens: its gradient must be zero"
+
+
+def test_grouped_wgrad_accumulates_fp32_into_buffers(device):
+    n, k = 128, 256
+    grad_cols, x_cols = _cols_operands(COUNTS, n, k, device, seed=7)
+    expected = K.grouped_wgrad(grad_cols, x_cols, torch.float32)
+    buffers = [torch.full((n, k), 0.5, device=device) for _ in COUNTS]
+    assert K.grouped_wgrad(grad_cols, x_cols, accumulate_into=buffers) is None
+    for e, buffer in enumerate(buffers):
+        assert torch.equal(buffer, expected[e] + 0.5), e
+    with pytest.raises(ValueError, match="accumulation buffers"):
+        K.grouped_wgrad(grad_cols, x_cols, accumulate_into=buffers[:-1])
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        K.grouped_wgrad(grad_cols, x_cols, accumulate_into=[b.bfloat16() for b in buffers])
+
+
+def test_refusals(device):
+    rows = _rows_operand(8, 256, device, seed=8)
+    weights = _weights(2, 128, 256, device, seed=9)
+    with pytest.raises(ValueError, match="row_offsets must be int64 \\[3\\]"):
+        K.grouped_gemm_by_weight(rows, weights, _offsets([4, 4], device).int())
+    with pytest.raises(ValueError, match="K = 128"):
+        K.grouped_gemm_by_weight(_rows_operand(8, 128, device, seed=10), weights, _offsets([4, 4], device))
+    with pytest.raises(TypeError, match="FP8StackedWeights"):
+        K.grouped_gemm_by_weight(rows, weights[0], _offsets([4, 4], device))
+    grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=11)
+    with pytest.raises(TypeError, match="colwise"):
+        K.grouped_wgrad(rows, x_cols)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts,k,n", [(8, 7168, 4096), (8, 2048, 7168)], ids=["fc1", "fc2"])
+def test_grouped_gemm_matches_per_expert_scaled_mm(experts, k, n):
+    """On the GPU, against cuBLASLt's blockwise scaled_mm per expert at DeepSeek-V3's shapes."""
+    counts = [700, 0, 1, 3, 129, 2048, 64, 1000]
+    rows = _rows_operand(sum(counts), k, "cuda", seed=12)
+    weights = _weights(experts, n, k, "cuda", seed=13)
+    ours = K.grouped_gemm_by_weight(rows, weights, _offsets(counts, "cuda")).double().cpu()
+    start, worst_eps = 0, 0.0
+    x = _dequantized_rows(rows)
+    for e, count in enumerate(counts):
+        if count:
+            padded = -(-count // 4) * 4  # cuBLASLt's M multiple; the extra rows are the next expert's
+            stop = min(start + padded, rows.data.shape[0])
+            a = rows.data[start:stop]
+            if a.shape[0] % 4:
+                a = torch.cat([a, a.new_zeros(4 - a.shape[0] % 4, k)])
+            scales = torch.ones(k // 128, a.shape[0], device="cuda")
+            scales[:, : stop - start] = rows.block_scales[:, start:stop]
+            b, scale_b = weights[e].scaled_mm_operand()
+            theirs = F.scaled_mm(a, b, scales.t(), F.ScalingType.BlockWise1x128, scale_b,
+                                 F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)[:count].double().cpu()
+            mine = ours[start:start + count]
+            magnitude = x[start:start + count].abs() @ _dequantized_weight(weights[e]).t().abs()
+            slack = (mine - theirs).abs() - BF16_ROUNDING * (mine.abs() + theirs.abs())
+            worst_eps = max(worst_eps, float((slack / (2 * magnitude).clamp_min(1e-300)).max()))
+        start += count
+    print(f"worst accumulation difference against scaled_mm: {worst_eps:.2e} of D (bound {EPS_GPU:.2e})")
+    assert worst_eps <= EPS_GPU

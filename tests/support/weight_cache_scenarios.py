@@ -1,0 +1,92 @@
+"""The experts' FP8 weight cache inside Megatron's training step (tests/distributed/test_weight_cache.py),
+run by both ranks: the tiny GPTModel of checkpoint_scenarios with FP4 dispatch + FP8 experts, in
+Megatron's DDP with its distributed Adam, two micro-batches per step, with and without
+--overlap-param-gather (the new weights then arrive by all-gather in the next forward's pre-hooks)."""
+
+import torch
+
+from support.checkpoint_scenarios import BATCH, SEQ, VOCAB, Run, log
+
+STEPS, MICRO_BATCHES = 2, 2
+
+
+def _experts(run: Run):
+    from megatron_fp4.experts import FP8Experts
+
+    return [m for m in run.gpt.modules() if isinstance(m, FP8Experts)]
+
+
+def _stale_entries(experts) -> list:
+    """(layer, linear, transposed) of every cached FP8 copy that differs from quantizing the weights now."""
+    from megatron_fp4 import kernels as K
+
+    stale = []
+    for layer, module in enumerate(experts):
+        weights = {"fc1": [e.linear_fc1.weight for e in module.local_experts],
+                   "fc2": [e.linear_fc2.weight for e in module.local_experts]}
+        for (name, transpose), (_, cached) in module.weight_cache._entries.items():
+            fresh = K.quantize_fp8_weights_stacked(weights[name], transpose)
+            if not (torch.equal(cached.data.view(torch.uint8), fresh.data.view(torch.uint8))
+                    and torch.equal(cached.block_scales, fresh.block_scales)):
+                stale.append((layer, name, transpose))
+    return stale
+
+
+def _forward_backward(run: Run, step: int) -> None:
+    run.model.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    for micro_batch in range(MICRO_BATCHES):
+        g = torch.Generator().manual_seed(100 * step + 10 * micro_batch + torch.distributed.get_rank())
+        tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=g)
+        positions = torch.arange(SEQ).expand(BATCH, SEQ)
+        run.model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
+
+
+def _optimizer_step(run: Run) -> None:
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([run.model])
+    updated, _, _ = run.optimizer.step()
+    assert updated
+
+
+def tracks_the_optimizer(overlap_param_gather: bool, directory: str) -> None:
+    """Weights quantized once per step (4 copies per layer: fc1 and fc2, each plain and transposed,
+    for two micro-batches), never a stale copy; and with one optimizer step hidden from the cache
+    the next step does use stale copies (Megatron writes the new weights where their version does
+    not show it), so the check can fail."""
+    from megatron_fp4 import kernels as K
+    from megatron_fp4.experts import weight_cache
+
+    run = Run(plugin=True, seed=1, overlap_param_gather=overlap_param_gather)
+    experts = _experts(run)
+    quantized = []
+    real = K.quantize_fp8_weights_stacked
+    K.quantize_fp8_weights_stacked = lambda *a, **k: quantized.append(1) or real(*a, **k)
+    try:
+        for step in range(STEPS):
+            quantized.clear()
+            _forward_backward(run, step)
+            assert len(quantized) == 4 * len(experts), f"step {step}: {len(quantized)} quantizations"
+            assert not _stale_entries(experts), f"step {step}: stale FP8 weights {_stale_entries(experts)}"
+            _optimizer_step(run)
+        weight_cache._optimizer_steps -= 1  # the step just taken, unheard
+        _forward_backward(run, STEPS)
+        log(f"PROBE overlap={overlap_param_gather}: unheard step leaves stale copies: {bool(_stale_entries(experts))}")
+    finally:
+        K.quantize_fp8_weights_stacked = real
+    log(f"overlap_param_gather={overlap_param_gather}: quantized once per step, never stale")
+
+
+def run(rank: int, scratch: str, overlap_param_gather: bool) -> None:
+    """Both settings' scenario on this rank (two gloo ranks, torch.cuda emulated), EP 2."""
+    from megatron.core import parallel_state
+
+    from support import megatron_training_on_cpu
+
+    megatron_training_on_cpu.install()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    try:
+        tracks_the_optimizer(overlap_param_gather, scratch)
+    finally:
+        parallel_state.destroy_model_parallel()
