@@ -8,7 +8,8 @@ fc2; fprop, dgrad and wgrad), measured in the same run:
   sweep (the best one is the row);
 - dense_scaled_mm: torch.nn.functional.scaled_mm with the same block scales on the same total M,
   one dense GEMM (the ceiling a grouped GEMM can approach);
-- grouped_mm_bf16: torch._grouped_mm in BF16 over the same segments (what a user could write);
+- grouped_mm_bf16: torch._grouped_mm in BF16 over the same segments, each rounded up to 8 rows
+  (its 16-byte rule; what a user could write);
 - per_expert_scaled_mm: one scaled_mm per expert from Python (the experts' previous path).
 Times are wall time per call over back-to-back calls (the host included where it limits), inputs
 random and far larger than L2. Rows: bench=grouped_gemm, metric=tflops, one per reference.
@@ -33,10 +34,10 @@ from benchmarks.rows import Recorder
 
 HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768
 
-ROWS_SWEEP = [DEFAULT_ROWS_TILES, GemmTiles(128, 256, 8, 3), GemmTiles(64, 128, 4, 4), GemmTiles(128, 128, 4, 4),
-              GemmTiles(128, 128, 8, 3), GemmTiles(64, 256, 8, 4)]
-WGRAD_SWEEP = [DEFAULT_WGRAD_TILES, GemmTiles(128, 256, 8, 3), GemmTiles(128, 128, 4, 4), GemmTiles(64, 128, 4, 4),
-               GemmTiles(128, 128, 8, 3)]
+ROWS_SWEEP = [DEFAULT_ROWS_TILES] + [GemmTiles(m, 128, w, stages, 8, unroll) for m, w, stages, unroll in [
+    (64, 4, 4, 1), (64, 4, 4, 2), (64, 4, 5, 2), (64, 4, 3, 2), (128, 8, 3, 2), (128, 8, 4, 2), (128, 4, 3, 2)]]
+WGRAD_SWEEP = [DEFAULT_WGRAD_TILES] + [GemmTiles(m, n, w, stages, 8, unroll) for m, n, w, stages, unroll in [
+    (64, 128, 4, 4, 1), (64, 128, 4, 4, 2), (128, 128, 8, 3, 2), (128, 128, 8, 4, 2), (64, 256, 8, 3, 2)]]
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -109,10 +110,14 @@ def rows_gemm_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: Lis
     dense = tflops(flops, wall_ms(lambda: F.scaled_mm(rows.data, b, rows.block_scales.t(), F.ScalingType.BlockWise1x128,
                                                       sb, F.ScalingType.BlockWise128x128,
                                                       output_dtype=torch.bfloat16), iters, 3))
-    offs32 = offsets[1:].to(torch.int32)
+    # torch._grouped_mm takes BF16 segments of whole 16 bytes (8 rows): the peer pads each expert's rows.
+    padded = (m_counts + 7) // 8 * 8
+    x_padded = torch.randn(int(padded.sum()), k, device="cuda", dtype=torch.bfloat16)
+    offs32 = _offsets(padded)[1:].to(torch.int32)
     w_t = w.transpose(1, 2)  # [E, K, N]: torch._grouped_mm's B
-    grouped_bf16 = reference_tflops("grouped_mm_bf16", flops,
-                                    lambda: torch._grouped_mm(x, w_t, offs=offs32, out_dtype=torch.bfloat16), iters)
+    grouped_bf16 = reference_tflops("grouped_mm_bf16", 2.0 * int(padded.sum()) * n * k,
+                                    lambda: torch._grouped_mm(x_padded, w_t, offs=offs32, out_dtype=torch.bfloat16),
+                                    iters)
     loop = tflops(flops, wall_ms(_per_expert_loop(rows, weights, m_counts), iters, 3))
     record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16, "per_expert_scaled_mm": loop})
 
@@ -141,10 +146,14 @@ def wgrad_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[Ge
     dense_ms = wall_ms(lambda: F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise1x128,
                                            output_dtype=torch.bfloat16), iters, 3)
     dense = tflops(2.0 * used * n * k, dense_ms)
-    grad_t = grad.t().contiguous()
-    offs32 = _offsets(m_counts)[1:].to(torch.int32)
-    grouped_bf16 = reference_tflops("grouped_mm_bf16", flops,
-                                    lambda: torch._grouped_mm(grad_t, x, offs=offs32, out_dtype=torch.bfloat16), iters)
+    padded = (m_counts + 7) // 8 * 8  # whole 16-byte BF16 segments, as torch._grouped_mm requires
+    rows = int(padded.sum())
+    grad_t = torch.randn(n, rows, device="cuda", dtype=torch.bfloat16)
+    x_padded = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    offs32 = _offsets(padded)[1:].to(torch.int32)
+    grouped_bf16 = reference_tflops("grouped_mm_bf16", 2.0 * rows * n * k,
+                                    lambda: torch._grouped_mm(grad_t, x_padded, offs=offs32, out_dtype=torch.bfloat16),
+                                    iters)
     record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16})
 
 

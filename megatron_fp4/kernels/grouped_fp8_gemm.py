@@ -40,6 +40,9 @@ class GemmTiles:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    # K blocks per loop step (1 or 2): with 2, the second block's tensor-core product can run while
+    # the first one is scaled into the accumulator.
+    k_unroll: int = 1
 
 
 # Chosen on H200 at DeepSeek-V3's expert shapes (benchmarks/bench_grouped_gemm.py sweeps them).
@@ -75,6 +78,38 @@ def _swizzled(pid, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _promoted_blocks(acc, a_tile, b_tile, a_scale, a_scale_step, b_scale, b_scale_step, BLOCKS: tl.constexpr,
+                     BLOCK_K: tl.constexpr, B_SCALE_PER_COLUMN: tl.constexpr):
+    """acc + the products of the next BLOCKS (1 or 2) K blocks, each scaled by its row scales times
+    its B scale (one per tile, or one per column) in fp32: DeepSeek's promotion."""
+    a0 = tl.load(a_tile)
+    b0 = tl.load(b_tile)
+    sa0 = tl.load(a_scale)
+    sb0 = tl.load(b_scale)
+    if BLOCKS == 2:
+        a1 = tl.load(a_tile + BLOCK_K)
+        b1 = tl.load(b_tile + BLOCK_K)
+        sa1 = tl.load(a_scale + a_scale_step)
+        sb1 = tl.load(b_scale + b_scale_step)
+        product0 = tl.dot(a0, b0)
+        product1 = tl.dot(a1, b1)
+        acc = _scaled_add(acc, product0, sa0, sb0, B_SCALE_PER_COLUMN)
+        acc = _scaled_add(acc, product1, sa1, sb1, B_SCALE_PER_COLUMN)
+    else:
+        acc = _scaled_add(acc, tl.dot(a0, b0), sa0, sb0, B_SCALE_PER_COLUMN)
+    return acc
+
+
+@triton.jit
+def _scaled_add(acc, product, row_scales, b_scale, B_SCALE_PER_COLUMN: tl.constexpr):
+    if B_SCALE_PER_COLUMN:
+        scale = row_scales[:, None] * b_scale[None, :]
+    else:
+        scale = (row_scales * b_scale)[:, None]
+    return acc + product * scale
+
+
+@triton.jit
 def _grouped_gemm_rows_kernel(
     a_ptr,  # fp8 [M, K] row-major
     a_scales_ptr,  # fp32 [K / 128, M]
@@ -90,9 +125,10 @@ def _grouped_gemm_rows_kernel(
     B_SCALE_STRIDE: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # 128: one weight block
     BLOCK_K: tl.constexpr,  # 128: one scale step
     GROUP_M: tl.constexpr,
+    K_UNROLL: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
     num_tiles_n: tl.constexpr = N // BLOCK_N
@@ -109,16 +145,17 @@ def _grouped_gemm_rows_kernel(
         a_tile = a_ptr + load_rows[:, None] * K + ks[None, :]
         b_tile = b_ptr + expert64 * N * K + cols[None, :].to(tl.int64) * K + ks[:, None]
         a_scale = a_scales_ptr + load_rows
-        b_scale = b_scales_ptr + expert64 * (N // BLOCK_K) * B_SCALE_STRIDE + (cols // BLOCK_K) * B_SCALE_STRIDE
+        # BLOCK_N is one weight block: one B scale per K block.
+        b_scale = b_scales_ptr + (expert64 * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k_block in range(K // BLOCK_K):
-            a = tl.load(a_tile)
-            b = tl.load(b_tile)
-            scale = tl.load(a_scale)[:, None] * tl.load(b_scale + k_block)[None, :]
-            acc += tl.dot(a, b) * scale
-            a_tile += BLOCK_K
-            b_tile += BLOCK_K
-            a_scale += num_rows
+        for _ in range(K // BLOCK_K // K_UNROLL):
+            acc = _promoted_blocks(acc, a_tile, b_tile, a_scale, num_rows, b_scale, 1, K_UNROLL, BLOCK_K, False)
+            a_tile += K_UNROLL * BLOCK_K
+            b_tile += K_UNROLL * BLOCK_K
+            a_scale += K_UNROLL * num_rows
+            b_scale += K_UNROLL
+        if (K // BLOCK_K) % K_UNROLL:
+            acc = _promoted_blocks(acc, a_tile, b_tile, a_scale, num_rows, b_scale, 1, 1, BLOCK_K, False)
         out_rows = rows.to(tl.int64)
         store_rounded(c_ptr + out_rows[:, None] * N + cols[None, :], acc, (rows < end_row)[:, None], OUT_BF16)
 
@@ -138,6 +175,7 @@ def _grouped_wgrad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # 128: one scale step (one block of tokens)
     GROUP_M: tl.constexpr,
+    K_UNROLL: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # add into fp32 buffers (Megatron's main_grad) instead of writing c
     OUT_BF16: tl.constexpr,
 ):
@@ -155,15 +193,15 @@ def _grouped_wgrad_kernel(
     a_scale = a_scales_ptr + (first_col // BLOCK_K) * N + rows
     b_scale = b_scales_ptr + (first_col // BLOCK_K) * K + cols
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range((end_col - first_col) // BLOCK_K):
-        a = tl.load(a_tile)
-        b = tl.load(b_tile)
-        scale = tl.load(a_scale)[:, None] * tl.load(b_scale)[None, :]
-        acc += tl.dot(a, b) * scale
-        a_tile += BLOCK_K
-        b_tile += BLOCK_K
-        a_scale += N
-        b_scale += K
+    token_blocks = (end_col - first_col) // BLOCK_K
+    for _ in range(token_blocks // K_UNROLL):
+        acc = _promoted_blocks(acc, a_tile, b_tile, a_scale, N, b_scale, K, K_UNROLL, BLOCK_K, True)
+        a_tile += K_UNROLL * BLOCK_K
+        b_tile += K_UNROLL * BLOCK_K
+        a_scale += K_UNROLL * N
+        b_scale += K_UNROLL * K
+    if token_blocks % K_UNROLL:
+        acc = _promoted_blocks(acc, a_tile, b_tile, a_scale, N, b_scale, K, 1, BLOCK_K, True)
     within = rows[:, None].to(tl.int64) * K + cols[None, :]
     if ACCUMULATE:
         out = tl.load(c_ptr + expert).to(tl.pointer_type(tl.float32)) + within
@@ -173,8 +211,10 @@ def _grouped_wgrad_kernel(
 
 
 def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
-    if n % tiles.block_n or k % FP8_BLOCK:
-        raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n} and K {k} of {FP8_BLOCK}")
+    if tiles.block_n != FP8_BLOCK or tiles.k_unroll not in (1, 2):
+        raise ValueError(f"{name}: block_n must be {FP8_BLOCK} (one weight block) and k_unroll 1 or 2, got {tiles}")
+    if n % FP8_BLOCK or k % FP8_BLOCK:
+        raise ValueError(f"{name}: N {n} and K {k} must be multiples of {FP8_BLOCK}")
 
 
 def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row_offsets: torch.Tensor,
@@ -202,7 +242,8 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
         num_rows, num_experts, num_tiles_m,
         N=n, K=k, B_SCALE_STRIDE=weights.block_scales.shape[2], EXPERTS_POW2=triton.next_power_of_2(num_experts),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
-        OUT_BF16=out_dtype == torch.bfloat16, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        K_UNROLL=tiles.k_unroll, OUT_BF16=out_dtype == torch.bfloat16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
 
@@ -239,7 +280,8 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
         grad_cols.data, grad_cols.block_scales, input_cols.data, input_cols.block_scales, offsets, target,
         capacity, N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK,
-        GROUP_M=tiles.group_m, ACCUMULATE=accumulate_into is not None, OUT_BF16=out_dtype == torch.bfloat16,
+        GROUP_M=tiles.group_m, K_UNROLL=tiles.k_unroll, ACCUMULATE=accumulate_into is not None,
+        OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -279,12 +321,13 @@ def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
                     "num_tiles_m": "i32"},
                    {"N": n, "K": k, "B_SCALE_STRIDE": padded_scale_columns(k), "EXPERTS_POW2": EXPERTS_POW2,
                     "BLOCK_M": rows_tiles.block_m, "BLOCK_N": rows_tiles.block_n, "BLOCK_K": FP8_BLOCK,
-                    "GROUP_M": rows_tiles.group_m, "OUT_BF16": True},
+                    "GROUP_M": rows_tiles.group_m, "K_UNROLL": rows_tiles.k_unroll, "OUT_BF16": True},
                    rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n),
         KernelSpec("grouped_wgrad", _grouped_wgrad_kernel,
                    {"a_ptr": "*fp8e4nv", "a_scales_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scales_ptr": "*fp32",
                     "offsets_ptr": "*i64", "c_ptr": "*i64", "row_stride": "i32"},
                    {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
-                    "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ACCUMULATE": True, "OUT_BF16": False},
+                    "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "K_UNROLL": wgrad_tiles.k_unroll,
+                    "ACCUMULATE": True, "OUT_BF16": False},
                    wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n),
     ]
