@@ -1,7 +1,7 @@
 """FP8 experts fed by the MXFP4 dispatch: module, autograd function, GEMMs."""
 
-from .function import ExpertsCall, FP8ExpertsFunction
+from .function import ExpertGemms, ExpertsCall, FP8ExpertsFunction
 from .module import FP8Experts
 from .segments import ExpertSegments
 
-__all__ = ["ExpertSegments", "ExpertsCall", "FP8Experts", "FP8ExpertsFunction"]
+__all__ = ["ExpertGemms", "ExpertSegments", "ExpertsCall", "FP8Experts", "FP8ExpertsFunction"]

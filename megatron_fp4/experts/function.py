@@ -1,7 +1,7 @@
 """The experts' forward and backward as one autograd function over all local experts.
 
 Every GEMM is one grouped FP8 launch over all local experts' ragged token segments
-(kernels/grouped_fp8_gemm.py). Forward: fc1 = X W1^T (X from the MXFP4 payload by the exact
+(kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (ExpertGemms). Forward: fc1 = X W1^T (X from the MXFP4 payload by the exact
 FP4 -> FP8 row conversion, or quantized from BF16 for the FP8 baseline), SwiGLU times the probs,
 fc2 = H W2^T from 1x128 rows of H. Weights are in 128x128 blocks, quantized once per optimizer step
 (weight_cache.py). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
@@ -14,16 +14,24 @@ accumulation the wgrad adds its fp32 sums straight into main_grad, as its own li
 """
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 import torch
 
 from .. import kernels as K
 from ..tensors import FP8StackedWeights, MXFP4Tensor
-from .gemm import M_MULTIPLE, columns_segment, columns_segment_as_b, gemm_1x128, gemm_by_weight, rows_segments
+from .gemm import per_expert_products, per_expert_wgrad
 from .segments import ExpertSegments
 from .weight_cache import FP8WeightCache
 from .swiglu import swiglu_with_probs, swiglu_with_probs_backward
+
+
+class ExpertGemms(Enum):
+    """How the experts' FP8 GEMMs run (both compute the same block-scaled products)."""
+
+    GROUPED = "grouped"  # one Triton launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py)
+    PER_EXPERT = "per_expert"  # one cuBLASLt scaled_mm per expert with tokens, from Python (gemm.py)
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class ExpertsCall:
     accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
     backward_follows: bool = True  # False: a no-grad forward (eval, a checkpointed first pass) saves nothing
     weight_cache: FP8WeightCache = field(default_factory=FP8WeightCache)  # the module's: FP8 weights per step
+    gemms: ExpertGemms = ExpertGemms.GROUPED
 
 
 # One dummy weight gradient per shape, dtype, device and fill, shared by all experts and layers
@@ -69,18 +78,24 @@ def _fused_main_grads(params, accumulate_in_main_grad: bool) -> Optional[list]:
     return None
 
 
-def weight_gradients(params, grad_cols, input_cols, dtype, accumulate_in_main_grad: bool) -> list:
+def weight_gradients(params, grad_cols, input_cols, dtype, call: ExpertsCall) -> list:
     """What backward returns for the experts' weights of one linear layer, from the colwise gradient
-    and input (None for both: no tokens, a zero gradient). With fused accumulation the grouped wgrad
-    adds its fp32 sums straight into main_grad (no BF16 rounding, as Megatron's fused wgrad)."""
-    main_grads = _fused_main_grads(params, accumulate_in_main_grad)
+    and input (None for both: no tokens, a zero gradient). With fused accumulation the wgrad goes
+    into main_grad (the grouped kernel adds its fp32 sums unrounded, as Megatron's fused wgrad)."""
+    main_grads = _fused_main_grads(params, call.accumulate_in_main_grad)
     if main_grads is not None:
         if grad_cols is not None:
-            K.grouped_wgrad(grad_cols, input_cols, accumulate_into=main_grads)
+            _wgrad(call, grad_cols, input_cols, dtype, main_grads)
         return [_added_to_main_grad(param, dtype) for param in params]
     if grad_cols is None:
         return [torch.zeros_like(param) for param in params]
-    return [grad.to(param.dtype) for param, grad in zip(params, K.grouped_wgrad(grad_cols, input_cols, dtype))]
+    return [grad.to(param.dtype) for param, grad in zip(params, _wgrad(call, grad_cols, input_cols, dtype, None))]
+
+
+def _wgrad(call: ExpertsCall, grad_cols, input_cols, dtype, accumulate_into):
+    if call.gemms is ExpertGemms.GROUPED:
+        return K.grouped_wgrad(grad_cols, input_cols, dtype, accumulate_into=accumulate_into)
+    return per_expert_wgrad(call.segments, grad_cols, input_cols, dtype, accumulate_into)
 
 
 class FP8ExpertsFunction(torch.autograd.Function):
@@ -97,10 +112,10 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
         else:
             input_rows = K.quantize_fp8_rows(tokens)
-        fc1_out = _linear_forward(segments, input_rows, call.weight_cache.get("fc1", fc1_weights, False), dtype)
+        fc1_out = _linear_forward(call, input_rows, call.weight_cache.get("fc1", fc1_weights, False), dtype)
         del input_rows
         fc2_in = swiglu_with_probs(fc1_out, probs, call.glu_offset, dtype)  # row-wise: all experts at once
-        output = _linear_forward(segments, K.quantize_fp8_rows(fc2_in), call.weight_cache.get("fc2", fc2_weights, False),
+        output = _linear_forward(call, K.quantize_fp8_rows(fc2_in), call.weight_cache.get("fc2", fc2_weights, False),
                                  dtype)
 
         if not call.backward_follows:
@@ -127,7 +142,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         dtype = grad_output.dtype
 
         def wgrads(params, grad_cols, input_cols):
-            return weight_gradients(params, grad_cols, input_cols, dtype, call.accumulate_in_main_grad)
+            return weight_gradients(params, grad_cols, input_cols, dtype, call)
 
         if segments.num_tokens == 0:  # a rank that received no tokens this step
             grad_input = grad_output.new_zeros(0, hidden)
@@ -145,7 +160,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         else:
             fc2_in_cols = K.quantize_fp8_cols(saved_fc2_in, counts, check_counts=False)
             fc1_out = saved_fc1_out
-        grad_fc2_in, grad_fc2 = _linear_backward(segments, grad_output, fc2_in_cols, fc2_weights,
+        grad_fc2_in, grad_fc2 = _linear_backward(call, grad_output, fc2_in_cols, fc2_weights,
                                                    call.weight_cache.get("fc2", fc2_weights, True), wgrads)
         del fc2_in_cols
         grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
@@ -156,24 +171,24 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input, hidden), counts, check_counts=False)
         else:
             input_cols = K.quantize_fp8_cols(saved_input, counts, check_counts=False)
-        grad_input, grad_fc1 = _linear_backward(segments, grad_fc1_out, input_cols, fc1_weights,
+        grad_input, grad_fc1 = _linear_backward(call, grad_fc1_out, input_cols, fc1_weights,
                                                    call.weight_cache.get("fc1", fc1_weights, True), wgrads)
         del grad_fc1_out, input_cols
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
 
 
-def _linear_forward(segments: ExpertSegments, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:
-    """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks), one
-    grouped GEMM."""
-    return K.grouped_gemm_by_weight(rows, weights, segments.row_offsets_device, dtype)
+def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:
+    """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks)."""
+    if call.gemms is ExpertGemms.GROUPED:
+        return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype)
+    return per_expert_products(call.segments, rows, weights, dtype)
 
 
-def _linear_backward(segments: ExpertSegments, grad: torch.Tensor, input_cols, weights,
+def _linear_backward(call: ExpertsCall, grad: torch.Tensor, input_cols, weights,
                      transposed: FP8StackedWeights, wgrads):
-    """Backward of Y = X W_e^T for every expert segment, in FP8, one grouped GEMM each: dX (gradient
-    1x128 rows times W_e^T in 128x128 blocks: `transposed`) and dW_e (gradient and input both 1x128
-    along the segment's tokens; zero for an expert without tokens), delivered together."""
-    grad_input = K.grouped_gemm_by_weight(K.quantize_fp8_rows(grad), transposed, segments.row_offsets_device,
-                                          grad.dtype)
-    grad_cols = K.quantize_fp8_cols(grad, segments.counts_device, check_counts=False)
+    """Backward of Y = X W_e^T for every expert segment, in FP8: dX (gradient 1x128 rows times W_e^T
+    in 128x128 blocks: `transposed`) and dW_e (gradient and input both 1x128 along the segment's
+    tokens; zero for an expert without tokens)."""
+    grad_input = _linear_forward(call, K.quantize_fp8_rows(grad), transposed, grad.dtype)
+    grad_cols = K.quantize_fp8_cols(grad, call.segments.counts_device, check_counts=False)
     return grad_input, wgrads(weights, grad_cols, input_cols)

@@ -1,4 +1,5 @@
-"""The experts' FP8 GEMMs, one expert segment at a time.
+"""The experts' FP8 GEMMs, one expert segment at a time (ExpertGemms.PER_EXPERT; the grouped
+Triton kernels do all experts in one launch).
 
 torch.nn.functional.scaled_mm with DeepSeek-style block scales (SM90, cuBLASLt >= 12.9):
 activations and gradients in 1x128 blocks, weights in 128x128 blocks. No FP8 GEMM exists off the
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import FP8_BLOCK
-from ..tensors import FP8BlockTensor, FP8BlockWeight
+from ..tensors import FP8BlockTensor, FP8BlockWeight, FP8StackedWeights
 
 
 # cuBLASLt refuses block-scaled FP8 GEMMs whose M is not a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED
@@ -141,3 +142,35 @@ def gemm_1x128(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b:
     _check_contract(a, scale_a, b, scale_b, b_blocks_128x128=False)
     return _scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise1x128,
                       out_dtype, None)
+
+
+def per_expert_products(segments, rows: FP8BlockTensor, weights: FP8StackedWeights, dtype) -> torch.Tensor:
+    """[tokens, N]: each expert segment's rows times its weight ([N, K]), each GEMM writing straight
+    into the result. A segment's M is padded to a multiple of 4 (rows_segments), so its last
+    product rows spill into the next segment's, which the next expert overwrites (they run in
+    order), or into the spare rows past the end."""
+    buffer = torch.empty(segments.num_tokens + M_MULTIPLE - 1, weights.data.shape[1], dtype=dtype,
+                         device=rows.data.device)
+    busy = list(segments.non_empty())
+    operands = rows_segments(rows, [(first, end) for _, first, end, _, _ in busy])
+    for (expert, first, *_), (a, scale_a) in zip(busy, operands):
+        gemm_by_weight(a, scale_a, weights[expert], dtype, out=buffer[first : first + a.shape[0]])
+    return buffer[: segments.num_tokens]
+
+
+def per_expert_wgrad(segments, grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, dtype,
+                     accumulate_into=None) -> Optional[torch.Tensor]:
+    """grouped_wgrad's result ([E, N, K], zero for experts without tokens) one expert at a time; with
+    accumulate_into (fp32 buffers) each expert's BF16 product is added there instead."""
+    n, k = grad_cols.shape[0], input_cols.shape[0]
+    out = None
+    if accumulate_into is None:
+        out = torch.zeros(len(segments.counts), n, k, dtype=dtype, device=grad_cols.data.device)
+    for expert, _, _, col, col_end in segments.non_empty():
+        product = gemm_1x128(*columns_segment(grad_cols, col, col_end),
+                             *columns_segment_as_b(input_cols, col, col_end), dtype)
+        if out is None:
+            accumulate_into[expert].add_(product)
+        else:
+            out[expert].copy_(product)
+    return out

@@ -1,10 +1,13 @@
-"""Where each local expert's tokens sit: its rows of the row-major operands. Counts come from the
-dispatcher, already on the host; the kernels read them, and the row offsets, on the device."""
+"""Where each local expert's tokens sit: rows of the row-major operands, and 128-aligned columns
+of the colwise (wgrad) operands. Counts come from the dispatcher, already on the host; the kernels
+read them, and the row offsets, on the device."""
 
 from dataclasses import dataclass
-from typing import List
+from typing import Iterator, List, Tuple
 
 import torch
+
+from ..layout import padded_segment_offsets
 
 
 @dataclass(frozen=True)
@@ -13,6 +16,7 @@ class ExpertSegments:
     counts_device: torch.Tensor  # int64 [E] on the tokens' device, for the column kernels
     row_offsets: List[int]  # [E + 1]
     row_offsets_device: torch.Tensor  # int64 [E + 1] on the tokens' device, for the grouped GEMMs
+    column_offsets: List[int]  # [E + 1], multiples of 128 (the column kernels' layout)
 
     @classmethod
     def of(cls, tokens_per_expert, device: torch.device) -> "ExpertSegments":
@@ -25,8 +29,16 @@ class ExpertSegments:
         both = torch.cat([host, rows])
         if device.type == "cuda":
             both = both.pin_memory().to(device, non_blocking=True)
-        return cls(counts, both[: len(counts)], rows.tolist(), both[len(counts):])
+        return cls(counts, both[: len(counts)], rows.tolist(), both[len(counts):],
+                   padded_segment_offsets(host).tolist())
 
     @property
     def num_tokens(self) -> int:
         return self.row_offsets[-1]
+
+    def non_empty(self) -> Iterator[Tuple[int, int, int, int, int]]:
+        """(expert, first row, end row, first column, end column) of each expert with tokens."""
+        for expert, count in enumerate(self.counts):
+            if count:
+                yield (expert, self.row_offsets[expert], self.row_offsets[expert + 1],
+                       self.column_offsets[expert], self.column_offsets[expert + 1])
