@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from .console import quiet_third_party_notices
+
 # Subcommand modules; each has register(subparsers) that adds its parser with set_defaults(run=...).
 SUBCOMMAND_MODULES = ("megatron_fp4.estimator", "megatron_fp4.patching", "megatron_fp4.run_config")
 
@@ -26,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    quiet_third_party_notices()  # before the subcommands import Megatron
     args = build_parser().parse_args(argv)
     return args.run(args) or 0
 

@@ -406,6 +406,29 @@ def validate(options: FP4Options, model: ModelSettings, environment: Optional[En
             raise UnsupportedConfiguration(refusal.message.format(**values))
 
 
+def before_megatron_validation(args, defaults: Optional[dict] = None) -> argparse.Namespace:
+    """A copy of Megatron's parsed, not yet validated arguments with what its validate_args would
+    fill in that the refusals read: `defaults` (its args_defaults) where a flag is unset, and the
+    few settings it derives from other flags. For checks that come before Megatron's own: ahead of
+    its argument dump at start-up, and in plans for another machine (--dry-run, the estimator),
+    where its validation cannot run (it asks the GPU)."""
+    args = argparse.Namespace(**vars(args))
+    for name, value in (defaults or {}).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.num_experts == 0:
+        args.num_experts = None
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    if args.ffn_hidden_size is None and args.hidden_size is not None:
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    return args
+
+
 def validate_args(args, route: Route, environment: Optional[Environment]) -> FP4Options:
     """validate() for Megatron's parsed arguments; returns the options they ask for."""
     options = FP4Options.from_args(args)

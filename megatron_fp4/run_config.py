@@ -19,13 +19,15 @@ import argparse
 import difflib
 import functools
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
-from .options import FP4Options, Route, UnsupportedConfiguration, validate_args
+from .console import fail
+from .options import (Environment, FP4Options, Route, UnsupportedConfiguration, before_megatron_validation,
+                      validate_args)
 
 CLUSTER_KEYS = {"nodes": int, "gpus_per_node": int, "gpu_memory_gib": float}
 # How scripts/launch.py --enforce-memory-cap hands cluster.gpu_memory_gib to each training process.
@@ -160,25 +162,15 @@ def planned_args(config: RunConfig, extra_argv=()) -> argparse.Namespace:
     other flags, for the settings our refusals read. Megatron's own validation needs the target
     machine (it checks FP8 support on the GPU), so a plan for another machine derives these few."""
     args, _unknown = megatron_parser().parse_known_args([*config.argv(), *extra_argv])
-    if args.num_experts == 0:
-        args.num_experts = None
-    if args.recompute_activations:
-        args.recompute_granularity = "selective"
-    if args.expert_tensor_parallel_size is None:
-        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
-    if args.ffn_hidden_size is None and args.hidden_size is not None:
-        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
-    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
-        args.moe_ffn_hidden_size = args.ffn_hidden_size
-    return args
+    return before_megatron_validation(args)
 
 
-def validate_config(config: RunConfig, extra_argv=()) -> FP4Options:
+def validate_config(config: RunConfig, extra_argv=(), environment: Optional[Environment] = None) -> FP4Options:
     """The validation a launch of `config` (+ `extra_argv`) runs (megatron_fp4.options.validate,
-    launcher route), without the checks of this machine: the estimator and `scripts/launch.py
-    --dry-run` plan for another one. Raises UnsupportedConfiguration (one sentence naming the flag
-    to change)."""
-    return validate_args(planned_args(config, extra_argv), Route.LAUNCHER, environment=None)
+    launcher route). Without `environment`, none of the checks of a machine: the estimator and
+    `scripts/launch.py --dry-run` plan for another one; a launch passes this machine's. Raises
+    UnsupportedConfiguration (one sentence naming the flag to change)."""
+    return validate_args(planned_args(config, extra_argv), Route.LAUNCHER, environment)
 
 
 def register(subparsers) -> None:
@@ -192,8 +184,7 @@ def _run_argv(args) -> int:
         config = load_config(args.config)
         validate_config(config)
     except (ConfigError, UnsupportedConfiguration) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(str(err))
     print(shlex.join(config.argv()))
     return 0
 

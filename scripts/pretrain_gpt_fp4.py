@@ -10,6 +10,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a plain checkout too
 
+from megatron_fp4.console import quiet_third_party_notices  # noqa: E402
+
+quiet_third_party_notices()  # before Megatron is imported
+
 from megatron_fp4.launch import main  # noqa: E402
 
 if __name__ == "__main__":

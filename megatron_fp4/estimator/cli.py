@@ -1,18 +1,21 @@
 """`megatron-fp4 estimate`: the subcommand's parser and its run function."""
 
 import argparse
-import sys
+import textwrap
 
 import yaml
 
+from ..console import fail
 from ..options import UnsupportedConfiguration
 from ..run_config import ConfigError, load_config, validate_config
 from .core import apply_overrides, estimate
-from .report import as_json, detail, table
+from .report import FP4_MEMORY_ROWS, as_json, detail, table
 from .shapes import EstimateError
 
 DESCRIPTION = """\
 Estimate per-GPU memory and expert-parallel all-to-all traffic of YAML run configs, without a GPU.
+A config that a launch would refuse (--set overrides included) is refused here too: one sentence,
+exit status 2.
 
 Memory per GPU, on the pipeline rank with the largest peak:
   weights    parameters in the model dtype (+ 2 FP8 copies of every GEMM weight under FP8)
@@ -31,15 +34,13 @@ Memory per GPU, on the pipeline rank with the largest peak:
 a2a: GB (10^9 bytes) one GPU sends per step through the MoE dispatch and combine all-to-alls,
 forward and backward, and again for `moe` recompute.
 
-For an fp4 config (moe_fp4_dispatch: true) two rows: 'recipe' is the paper's FP4 recipe (expert
-activations kept in MXFP4, the dispatch cached for `moe` recompute); 'installed' is what this
-package delivers today (MXFP4 on the wire; experts keep the baseline precision; with
-moe_fp4_cache the received payload is kept for `moe` recompute).
+{fp4_rows}
 
 Not modeled: the caching allocator's reserve and fragmentation, NCCL and CUDA context memory,
 routing imbalance (experts assumed to receive k*T rows on average), and the code paths of Megatron
 options the configs here do not use. Assumptions and validation: docs/estimator.md.
-"""
+""".format(fp4_rows=textwrap.fill(
+    "For an fp4 config (moe_fp4_dispatch: true) two rows (--fp4-memory): " + FP4_MEMORY_ROWS, width=100))
 
 
 def _parse_set(text: str):
@@ -78,8 +79,7 @@ def run(args) -> int:
             if first.precision.name == "fp4" and len(modes) > 1:
                 estimates.append(estimate(path, modes[1], overrides))
     except (ConfigError, EstimateError, UnsupportedConfiguration) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(str(err))
     if args.json:
         print(as_json(estimates))
         return 0

@@ -6,6 +6,11 @@ from pathlib import Path
 
 from .core import GIB, Estimate
 
+# The two memory rows of an fp4 config (the table's note and `estimate --help` say it alike).
+FP4_MEMORY_ROWS = ("'recipe' = the paper's FP4 recipe (expert activations kept in MXFP4, dispatch cached for `moe` "
+                   "recompute); 'installed' = what the config's flags switch on in this package (MXFP4 on the wire; "
+                   "with --moe-fp4-experts fp8 the expert activations in MXFP4 and no cached FP8 copies of the "
+                   "expert weights, else the baseline's; the dispatch cache only with --moe-fp4-cache).")
 COLUMNS = ("config", "prec", "fp4 memory", "recompute", "weights", "grads", "optim", "activ", "transient",
            "peak GiB", "% GPU", "fits", "a2a GB/step")
 
@@ -38,11 +43,7 @@ def table(estimates: list[Estimate]) -> str:
     notes = [("GiB = 2^30 bytes, per GPU, on the pipeline rank with the largest peak; a2a GB = 10^9 bytes the "
               "same GPU sends per step (dispatch + combine, forward + backward, recompute included).")]
     if any(e.precision.name == "fp4" for e in estimates):
-        notes.append("fp4 memory: 'recipe' = the paper's FP4 recipe (expert activations kept in MXFP4, dispatch cached "
-                     "for `moe` recompute); 'installed' = what the config's flags switch on in this package (MXFP4 on "
-                     "the wire; with --moe-fp4-experts fp8 the expert activations in MXFP4 and no cached FP8 "
-                     "copies of the expert weights, else the baseline's; the dispatch cache only with "
-                     "--moe-fp4-cache).")
+        notes.append("fp4 memory: " + FP4_MEMORY_ROWS)
     overrides = {k: v for e in estimates for k, v in e.overrides.items()}
     if overrides:
         notes.append("overrides: " + ", ".join(f"{k}={v}" for k, v in overrides.items()))

@@ -2,8 +2,8 @@
 
 Our launcher (`torchrun ... -m megatron_fp4.launch` or `scripts/pretrain_gpt_fp4.py`, with
 Megatron's flags and ours) is `pretrain.main`: Megatron's parser plus our flags and the defaults
-this machine needs (`arguments`), our validation right after Megatron's (`refusal`: one sentence,
-exit status 2), the optional memory cap (`memory_cap`), the fixes stock megatron-core 0.19.2 needs
+this machine needs (`arguments`), our validation before and after Megatron's (`refusal`: one
+sentence, exit status 2), the optional memory cap (`memory_cap`), the fixes stock megatron-core 0.19.2 needs
 (`workarounds`), and the GPT model, data and loss (`gpt`). `torchrun` starts it from a YAML run
 config on one node or many (`scripts/launch.py`). Context parallelism is refused there
 (batches are not sliced per CP rank), and Megatron's --yaml-cfg is not supported (it replaces every
@@ -16,8 +16,8 @@ Your own Megatron-LM pretrain_gpt.py needs three lines:
     transformer_layer_spec = fp4.layer_spec(transformer_layer_spec)  # where the layer spec is built
 
 The second line adds our flags to Megatron's parser (before the script's own extra_args_provider)
-and, right after Megatron's validation, refuses what the plugin cannot serve with one sentence and
-exit status 2. The third swaps the MoE layers (and their experts) of the spec as the flags ask; put
+and refuses what the plugin cannot serve with one sentence and exit status 2, before Megatron's
+validation prints its argument dump (and again after that validation). The third swaps the MoE layers (and their experts) of the spec as the flags ask; put
 it before the MTP block spec is built from the layer spec, so that MTP layers follow. In Megatron-LM
 checkouts that build the spec in gpt_builders.py rather than in pretrain_gpt.py, the third line (with
 the import) goes there. tests/launch/test_user_pretrain_gpt.py applies them to a stand-in of

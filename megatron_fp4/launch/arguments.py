@@ -3,9 +3,10 @@
 import argparse
 
 from megatron.training.arguments import parse_and_validate_args as megatron_parse_and_validate_args
+from megatron.training.arguments import parse_args as megatron_parse_args
 
 from .. import options
-from ..options import Route
+from ..options import Route, before_megatron_validation
 from ..run_config import GPU_MEMORY_CAP_ENV
 from .installed import HAVE_APEX, HAVE_APEX_GRAD_ACCUM, HAVE_FUSED_SOFTMAX, HAVE_TE
 from .refusal import check_args
@@ -48,11 +49,23 @@ def add_launcher_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     return add_arguments(parser)
 
 
+LAUNCHER_DEFAULTS = {"eval_interval": NO_EVALUATION_INTERVAL}
+
+
+def check_before_megatron_validates(extra_args_provider, ignore_unknown_args: bool, args_defaults: dict,
+                                    route: Route) -> None:
+    """Our validation on the command line as parsed, before Megatron validates it: a refusal then
+    stops the run before Megatron prints its argument dump (hundreds of lines), so that its
+    sentence is all the run says. Megatron's parser runs again for its own validation, after which
+    ours runs once more on the validated arguments."""
+    args = megatron_parse_args(extra_args_provider, ignore_unknown_args)
+    check_args(before_megatron_validation(args, args_defaults), route)
+
+
 def parse_launcher_args() -> argparse.Namespace:
     """Megatron's parse + validate for our launcher (which also sets Megatron's globals: args,
-    tokenizer, timers); our own validation is main()'s next step."""
-    return megatron_parse_and_validate_args(add_launcher_arguments,
-                                            args_defaults={"eval_interval": NO_EVALUATION_INTERVAL})
+    tokenizer, timers); our own validation is main()'s, before and after this."""
+    return megatron_parse_and_validate_args(add_launcher_arguments, args_defaults=LAUNCHER_DEFAULTS)
 
 
 def _chain(first, then):
@@ -66,7 +79,8 @@ def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
     """Megatron's parse_and_validate_args (same arguments) with our flags added, then our
     validation: a configuration the plugin refuses stops the run with one sentence and exit
     status 2, before Megatron initializes anything on the GPU."""
-    args = megatron_parse_and_validate_args(_chain(add_arguments, extra_args_provider), ignore_unknown_args,
-                                            args_defaults or {})
+    provider = _chain(add_arguments, extra_args_provider)
+    check_before_megatron_validates(provider, ignore_unknown_args, args_defaults or {}, route)
+    args = megatron_parse_and_validate_args(provider, ignore_unknown_args, args_defaults or {})
     check_args(args, route)
     return args

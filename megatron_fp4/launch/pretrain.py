@@ -8,7 +8,7 @@ from megatron.training import pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
 from ..options import Route
-from .arguments import parse_launcher_args
+from .arguments import LAUNCHER_DEFAULTS, add_launcher_arguments, check_before_megatron_validates, parse_launcher_args
 from .gpt import forward_step, model_provider, train_valid_test_datasets_provider
 from .memory_cap import apply_memory_cap
 from .refusal import check_args
@@ -16,6 +16,7 @@ from .workarounds import use_prebuilt_dataset_helpers
 
 
 def main():
+    check_before_megatron_validates(add_launcher_arguments, False, LAUNCHER_DEFAULTS, Route.LAUNCHER)
     args = parse_launcher_args()
     check_args(args, Route.LAUNCHER)  # right after Megatron's own validation, before any GPU work
     apply_memory_cap(args.local_rank)

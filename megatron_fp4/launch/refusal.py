@@ -2,14 +2,14 @@
 
 import sys
 
+from ..console import fail
 from ..options import Environment, FP4Options, Route, UnsupportedConfiguration, validate_args
 
 
 def refuse(sentence: str):
     """Exit with status 2 (argparse's). Every rank prints the sentence: torchrun kills the other
     ranks as soon as the first one exits, so rank 0 alone may never get to."""
-    print(f"error: {sentence}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(fail(sentence))
 
 
 def check_args(args, route: Route) -> FP4Options:

@@ -2,6 +2,8 @@
 docs/estimator.md. Measured numbers below come from Megatron's own memory log lines on H200s."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,8 +12,10 @@ from megatron_fp4.estimator import GIB, estimate
 from megatron_fp4.estimator.a2a import row_bytes
 from megatron_fp4.estimator.params import rank_params
 from megatron_fp4.estimator.precision import FP8_1X128_BYTES, MXFP4_BYTES
+from megatron_fp4.estimator.report import FP4_MEMORY_ROWS
 from megatron_fp4.estimator.schedule import peak_held
 from megatron_fp4.estimator.shapes import MOE, MTP
+from support.entry_points import one_error_line
 
 ROOT = Path(__file__).resolve().parents[2]
 DSV3 = ROOT / "configs" / "deepseek_v3_671b"
@@ -273,6 +277,23 @@ def test_cli_prints_the_table_and_json(capsys):
     assert _main(["estimate", str(ROOT / "configs" / "no_such.yaml")]) == 2
 
 
+def test_help_and_table_say_what_the_fp4_rows_hold(capsys):
+    with pytest.raises(SystemExit):
+        _main(["estimate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert " ".join(FP4_MEMORY_ROWS.split()) in help_text
+    assert "A config that a launch would refuse (--set overrides included) is refused here too" in help_text
+    assert _main(["estimate", str(PROXY / "memcap_fp4_attn.yaml")]) == 0
+    assert "fp4 memory: " + FP4_MEMORY_ROWS in capsys.readouterr().out
+    # What the text says 'installed' holds: with our FP8 experts the recipe's MXFP4 expert
+    # activations, with Megatron's experts the baseline's (memcap_*_attn: attention recompute only).
+    def activations(name, mode="installed"):
+        return estimate(PROXY / f"memcap_{name}.yaml", mode).peak_rank.activations
+
+    assert activations("fp4_fp8_attn") == activations("fp4_fp8_attn", "recipe")
+    assert activations("fp4_attn") == activations("bf16_attn") > activations("fp4_attn", "recipe")
+
+
 def test_fp8_output_projection_keeps_the_bf16_attention_output_it_shares():
     """Megatron (TE >= 2.6, any FP8 recipe but 'delayed') has the attention output projection save
     its original BF16 input, the tensor fused attention already keeps, instead of an FP8 copy."""
@@ -318,3 +339,8 @@ def test_estimate_refuses_what_a_launch_refuses(tmp_path, capsys):
     assert _main(["estimate", "--set", "moe_fp4_cache=true", fp4]) == 2
     assert "error: --moe-fp4-cache serves only the recompute of whole MoE layers" in capsys.readouterr().err
     assert _main(["estimate", fp4]) == 0
+    # The command itself: that sentence alone on stderr, none of Megatron's import-time notices.
+    command = subprocess.run([sys.executable, "-m", "megatron_fp4.cli", "estimate", str(allgather)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300, check=False)
+    assert command.returncode == 2 and command.stdout == ""
+    assert one_error_line(command.stderr).startswith("error: --moe-fp4-dispatch needs --moe-token-dispatcher-type")

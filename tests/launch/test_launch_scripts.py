@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from megatron_fp4.launch import torchrun
+from support.entry_points import TORCHRUN, one_error_line
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch.py"
 SBATCH = ROOT / "scripts" / "slurm_launch.sbatch"
@@ -32,7 +37,7 @@ def _torchrun_words(result):
 def test_single_node_standalone_with_run_directory(tmp_path):
     result = _dry_run("configs/proxy/gpus4.yaml", "--train-iters", "5", RUN_DIR=str(tmp_path / "run"))
     words = _torchrun_words(result)
-    assert words[:4] == ["torchrun", "--standalone", "--nproc-per-node", "4"]
+    assert words[:6] == [*TORCHRUN, "--standalone", "--nproc-per-node", "4"]
     assert words[words.index("--save") + 1] == str(tmp_path / "run" / "checkpoints")
     assert words[-2:] == ["--train-iters", "5"]
     assert "NCCL_NVLS_ENABLE=0" in result.stdout and "CUDA_DEVICE_MAX_CONNECTIONS=1" in result.stdout
@@ -41,17 +46,20 @@ def test_single_node_standalone_with_run_directory(tmp_path):
 
 def test_multi_node_uses_c10d_rendezvous():
     words = _torchrun_words(_dry_run(CONFIG_671B, NNODES="32", MASTER_ADDR="node001", RUN_ID="job42"))
-    assert words[:11] == ["torchrun", "--nnodes", "32", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
+    assert words[:13] == [*TORCHRUN, "--nnodes", "32", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
                           "--rdzv-endpoint", "node001:29500", "--rdzv-id", "job42"]
     assert "--moe-fp4-dispatch" in words
     assert words[words.index("--expert-model-parallel-size") + 1] == "32"
 
 
-def test_multi_node_refuses_without_rendezvous_id_or_host():
-    no_id = _dry_run(CONFIG_671B, NNODES="2", MASTER_ADDR="node001")
-    assert no_id.returncode == 2 and "needs RUN_ID" in no_id.stderr
-    no_host = _dry_run(CONFIG_671B, NNODES="2", RUN_ID="x")
-    assert no_host.returncode != 0 and "needs MASTER_ADDR" in (no_host.stderr + no_host.stdout)
+def test_multi_node_names_every_missing_variable_at_once():
+    neither = _dry_run(CONFIG_671B, NNODES="2")
+    assert neither.returncode == 2 and neither.stdout == ""
+    assert one_error_line(neither.stderr) == (
+        "error: a multi-node launch (2 nodes) needs RUN_ID (the same on every node; SLURM_JOB_ID serves) and "
+        "MASTER_ADDR (the rendezvous host), set on every node.")
+    assert torchrun.missing_multi_node_variables({"SLURM_JOB_ID": "7"}) == ["MASTER_ADDR (the rendezvous host)"]
+    assert torchrun.missing_multi_node_variables({"RUN_ID": "x", "MASTER_ADDR": "node001"}) == []
 
 
 def test_bad_config_is_one_line_error(tmp_path):
@@ -76,7 +84,7 @@ def test_slurm_wrapper_runs_launch_on_every_node(tmp_path):
     result = subprocess.run(["bash", str(SBATCH), CONFIG_671B, "--train-iters", "3"], capture_output=True,
                             text=True, timeout=120, env=env, check=False)
     words = _torchrun_words(result)
-    assert words[1:3] == ["--nnodes", "2"]
+    assert words[:5] == [*TORCHRUN, "--nnodes", "2"]
     assert words[words.index("--rdzv-endpoint") + 1] == "gpu-a01:29500"
     assert words[words.index("--rdzv-id") + 1] == "777"
     assert words[-2:] == ["--train-iters", "3"]
@@ -90,7 +98,7 @@ def test_memory_cap_is_opt_in_and_comes_from_the_config(tmp_path):
     memcap = "configs/proxy/memcap_bf16_attn.yaml"
     capped = _dry_run(memcap, "--enforce-memory-cap", "--train-iters", "3", RUN_DIR=str(tmp_path / "run"))
     words = _torchrun_words(capped)
-    assert words[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"]
+    assert words[:6] == [*TORCHRUN, "--standalone", "--nproc-per-node", "2"]
     assert "--enforce-memory-cap" not in words and words[-2:] == ["--train-iters", "3"]
     assert "MEGATRON_FP4_GPU_MEMORY_CAP_GIB=14" in capped.stdout.splitlines()[1].split()  # the "env:" line
     # Without the flag no cap, even if the caller's shell still has the variable.
@@ -103,7 +111,7 @@ def test_memory_cap_reaches_the_training_processes(tmp_path):
     fake_torchrun = shlex.join([sys.executable, "-c", "import os; print('cap=' + os.environ.get("
                                 "'MEGATRON_FP4_GPU_MEMORY_CAP_GIB', 'none'))"])
     for flags, expected in ((["--enforce-memory-cap"], "cap=14"), ([], "cap=none")):
-        result = _launch("configs/proxy/memcap_fp4_fp8_attn.yaml", *flags, TORCHRUN=fake_torchrun,
+        result = _launch("configs/proxy/memcap_bf16_attn.yaml", *flags, TORCHRUN=fake_torchrun,
                          RUN_DIR=str(tmp_path / "run"), MEGATRON_FP4_GPU_MEMORY_CAP_GIB="10")
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip().splitlines()[-1] == expected
@@ -125,16 +133,45 @@ def test_dry_run_refuses_what_a_launch_refuses(tmp_path):
                          "moe_token_dispatcher_type: allgather\n")
     refused = _dry_run(str(allgather))
     assert refused.returncode == 2 and refused.stdout == ""
-    assert _errors(refused) == ["error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got allgather): "
-                                "it replaces that dispatcher's all-to-all."]
+    # The sentence alone: nothing of Megatron's or torch's import-time notices.
+    assert one_error_line(refused.stderr) == ("error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall "
+                                              "(got allgather): it replaces that dispatcher's all-to-all.")
     # Extra flags are validated with the config's.
-    cache = _dry_run("configs/proxy/gpus2.yaml", "--moe-fp4-dispatch", "--moe-fp4-cache")
+    cache = _dry_run("configs/proxy/gpus2_bf16.yaml", "--moe-fp4-dispatch", "--moe-fp4-cache")
     assert cache.returncode == 2 and cache.stdout == ""
-    [error] = _errors(cache)
-    assert error.startswith("error: --moe-fp4-cache serves only the recompute of whole MoE layers")
+    assert one_error_line(cache.stderr).startswith("error: --moe-fp4-cache serves only the recompute of whole MoE")
 
 
-def _errors(result):
-    """The error lines (stderr also has the warnings of importing Megatron without its kernels)."""
-    assert "Traceback" not in result.stderr
-    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+def _launch_here(monkeypatch, tmp_path, config, torchrun_code=None):
+    """scripts/launch.py's main in this process (not a dry run): RUN_DIR in tmp_path; a stand-in
+    torchrun (Python code) if given."""
+    for name in ("NNODES", "GPUS_PER_NODE", "RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RUN_DIR", str(tmp_path / "run"))
+    if torchrun_code is not None:
+        monkeypatch.setenv("TORCHRUN", shlex.join([sys.executable, "-c", torchrun_code]))
+    return torchrun.main([config])
+
+
+def test_a_launch_checks_this_machine_before_torchrun(monkeypatch, tmp_path, capsys):
+    # Unlike a dry run, a launch runs the machine's checks: here, a node without CUDA GPUs.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _launch_here(monkeypatch, tmp_path, "configs/proxy/gpus2_fp4.yaml", "raise SystemExit(9)") == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("error: --moe-fp4-dispatch and --moe-fp4-experts fp8 need CUDA GPUs: their Triton "
+                                 "kernels and FP8 GEMMs run only there.\n")
+    assert not (tmp_path / "run").exists()  # torchrun never started
+
+
+def test_a_refusal_in_the_training_processes_ends_the_output(monkeypatch, tmp_path, capsys):
+    # What torchrun prints when its processes refuse: their sentence, then its own report and traceback.
+    ranks = ("import sys; print('error: --moe-fp4-cache needs --moe-fp4-dispatch.'); "
+             "print('error: --moe-fp4-cache needs --moe-fp4-dispatch.'); "
+             "print('Traceback (most recent call last):'); print('ChildFailedError: exitcode 2'); sys.exit(1)")
+    assert _launch_here(monkeypatch, tmp_path, "configs/proxy/gpus1_bf16.yaml", ranks) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == "ChildFailedError: exitcode 2"  # the terminal saw all of it, as the log did
+    assert err == "error: --moe-fp4-cache needs --moe-fp4-dispatch.\n"  # and then the sentence, last
+    assert (tmp_path / "run" / "train_node0.log").read_text().splitlines()[-1] == "ChildFailedError: exitcode 2"
+    # A failure without a refusal keeps torchrun's exit status.
+    assert _launch_here(monkeypatch, tmp_path, "configs/proxy/gpus1_bf16.yaml", "raise SystemExit(3)") == 3

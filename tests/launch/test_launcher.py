@@ -4,6 +4,7 @@ loss) short of the model itself (Megatron's MoE layers allocate CUDA buffers and
 built); the memory cap against a stand-in GPU."""
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ from megatron_fp4.launch import gpt, memory_cap, pretrain
 from megatron_fp4.launch.arguments import parse_launcher_args
 from megatron_fp4.options import FP4Options
 from megatron_fp4.run_config import GPU_MEMORY_CAP_ENV
+from support.entry_points import TORCHRUN, one_error_line
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "scripts" / "pretrain_gpt_fp4.py"
@@ -41,9 +43,9 @@ def proxy_command(nproc: str, *extra: str, **env: str) -> list:
     finally:
         shutil.rmtree(ROOT / "runs" / name, ignore_errors=True)
     words = shlex.split(out.splitlines()[-1])
-    assert words[:4] == ["torchrun", "--standalone", "--nproc-per-node", nproc]
-    assert words[4] == str(LAUNCHER)
-    return words[5:]
+    assert words[:6] == [*TORCHRUN, "--standalone", "--nproc-per-node", nproc]
+    assert words[6] == str(LAUNCHER)
+    return words[7:]
 
 
 @pytest.fixture
@@ -80,13 +82,30 @@ def test_proxy_script_syntax_and_command_line():
     assert argv[argv.index("--moe-token-dispatcher-type") + 1] == "alltoall"
     assert argv[-2:] == ["--train-iters", "7"]  # extra arguments come last, so they win
     assert argv[argv.index("--save") + 1].endswith("checkpoints")  # checkpoints go to the run directory
-    assert "--moe-fp4-dispatch" not in proxy_command("1", FP4="0")
-    # One config per GPU count, expert parallelism = GPUs; other counts are refused by name.
-    ep = {n: (a := proxy_command(n))[a.index("--expert-model-parallel-size") + 1] for n in ("1", "4", "8")}
-    assert ep == {"1": "1", "4": "4", "8": "8"}
+    assert "--moe-fp4-dispatch" not in proxy_command("1", FP4="0")  # the same as PRECISION=bf16
+    # One config per GPU count and precision (gpus<N>_<PRECISION>.yaml, fp4 by default), expert
+    # parallelism = GPUs; other counts are refused by name.
+    runs = {"1": proxy_command("1", PRECISION="fp4_fp8"), "4": proxy_command("4"),
+            "8": proxy_command("8", PRECISION="bf16")}
+    assert {n: a[a.index("--expert-model-parallel-size") + 1] for n, a in runs.items()} == {n: n for n in runs}
+    assert "--moe-fp4-dispatch" in runs["1"] and runs["1"][runs["1"].index("--moe-fp4-experts") + 1] == "fp8"
+    assert "--moe-fp4-dispatch" in runs["4"] and "--moe-fp4-dispatch" not in runs["8"]
     refused = subprocess.run(["bash", str(PROXY), "3"], capture_output=True, text=True, check=False, timeout=60,
                              env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable})
     assert refused.returncode == 2 and "no proxy config for 3 GPU(s)" in refused.stderr
+
+
+def test_proxy_script_help_says_what_it_does():
+    help_text = " ".join(subprocess.run(["bash", str(PROXY), "--help"], capture_output=True, text=True, check=True,
+                                        timeout=60).stdout.split())
+    configs = sorted((ROOT / "configs" / "proxy").glob("gpus*_*.yaml"))
+    gpus = sorted({path.stem[len("gpus"):].split("_")[0] for path in configs}, key=int)
+    assert f"N: {', '.join(gpus[:-1])} or {gpus[-1]} GPUs" in help_text
+    precisions = help_text.split("PRECISION picks the config:")[1].split("TRAIN_ITERS")[0]
+    assert set(re.findall(r"(\w+) \(", precisions)) == {path.stem.split("_", 1)[1] for path in configs}
+    script = PROXY.read_text()
+    for variable in ("NPROC", "PRECISION", "FP4", "TRAIN_ITERS", "MBS", "GBS", "RUN_NAME", "DRY_RUN", "PYTHON"):
+        assert variable in help_text and "${" + variable in script, variable
 
 
 REFUSED_ARGV = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
@@ -106,9 +125,17 @@ def test_refusal_stops_the_run_with_one_sentence(launcher_argv, capsys, monkeypa
     with pytest.raises(SystemExit) as stop:
         pretrain.main()
     assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert sentence in err
-    assert "Traceback" not in err
+    out, err = capsys.readouterr()
+    assert out == ""  # before Megatron's validation prints its argument dump
+    assert one_error_line(err).startswith(sentence)
+
+
+def test_the_script_refuses_in_one_line():
+    # This machine as it is: without CUDA the first refusal is the missing GPU, with it the dispatcher.
+    result = subprocess.run([sys.executable, str(LAUNCHER), *REFUSED_ARGV], capture_output=True, text=True,
+                            timeout=300, check=False, cwd=ROOT, env={**os.environ, "WORLD_SIZE": "1", "RANK": "0"})
+    assert result.returncode == 2 and result.stdout == ""
+    one_error_line(result.stderr)  # no import-time notices of Megatron or torch before it
 
 
 def test_context_parallelism_is_refused_by_the_launcher(launcher_argv, capsys, monkeypatch):

@@ -103,6 +103,23 @@ def test_671b_configs_are_the_recipe():
         assert (args.fp8_recipe == "blockwise") is (precision in ("fp8", "fp4"))
 
 
+PROXY_PRECISIONS = {"bf16": FP4Options(), "fp4": FP4Options(dispatch=True),
+                    "fp4_fp8": FP4Options(dispatch=True, experts="fp8")}
+
+
+def test_proxy_configs_name_their_precision():
+    # configs/proxy/gpus<N>_<precision>.yaml: the file alone says what runs (scripts/train_proxy.sh picks one).
+    variants = sorted((CONFIGS / "proxy").glob("gpus*_*.yaml"))
+    assert [p.stem for p in variants] == [f"gpus{n}_{precision}" for n in (1, 2, 4, 8) for precision in
+                                          sorted(PROXY_PRECISIONS)]
+    for path in variants:
+        config = load_config(path)
+        gpus, precision = path.stem[len("gpus"):].split("_", 1)
+        assert config.world_size() == int(gpus) == config.flags["expert_model_parallel_size"]
+        assert "moe_fp4_dispatch" in config.flags and "moe_fp4_experts" in config.flags  # said, not defaulted
+        assert validate_config(config) == PROXY_PRECISIONS[precision], path.name
+
+
 def test_cli_prints_the_command_line(tmp_path, capsys):
     path = _write(tmp_path, "c.yaml", "num_layers: 2\nnum_experts: 4\nmoe_token_dispatcher_type: alltoall\n"
                                       "moe_fp4_dispatch: true\n")
