@@ -10,6 +10,7 @@ from support.two_ranks import run_on_two_ranks
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation of two ranks")
 
 
-@pytest.mark.parametrize("overlap_param_gather", [False, True], ids=["plain", "overlap-param-gather"])
-def test_weights_quantized_once_per_step_never_stale(overlap_param_gather):
-    run_on_two_ranks("support.weight_cache_scenarios.run", overlap_param_gather, emulated=True, timeout_s=400)
+def test_weights_quantized_once_per_step_never_stale_with_overlap_param_gather():
+    # The harder of the two settings (the new weights arrive in the next forward's pre-hooks); one
+    # emulated run costs ~2 minutes of CI, so the plain setting is left to the unit tests.
+    run_on_two_ranks("support.weight_cache_scenarios.run", True, emulated=True, timeout_s=400)

@@ -52,17 +52,16 @@ def _optimizer_step(run: Run) -> None:
 
 def tracks_the_optimizer(overlap_param_gather: bool, directory: str) -> None:
     """Weights quantized once per step (4 copies per layer: fc1 and fc2, each plain and transposed,
-    for two micro-batches), never a stale copy; and with one optimizer step hidden from the cache
-    the next step does use stale copies (Megatron writes the new weights where their version does
-    not show it), so the check can fail."""
+    for two micro-batches), never a stale copy; and a cache that ignores its stamp is caught using
+    stale copies in the next step, so the check can fail."""
     from megatron_fp4 import kernels as K
     from megatron_fp4.experts import weight_cache
 
     run = Run(plugin=True, seed=1, overlap_param_gather=overlap_param_gather)
     experts = _experts(run)
     quantized = []
-    real = K.quantize_fp8_weights_stacked
-    K.quantize_fp8_weights_stacked = lambda *a, **k: quantized.append(1) or real(*a, **k)
+    real_quantize, real_stamp = K.quantize_fp8_weights_stacked, weight_cache._stamp
+    K.quantize_fp8_weights_stacked = lambda *a, **k: quantized.append(1) or real_quantize(*a, **k)
     try:
         for step in range(STEPS):
             quantized.clear()
@@ -70,11 +69,11 @@ def tracks_the_optimizer(overlap_param_gather: bool, directory: str) -> None:
             assert len(quantized) == 4 * len(experts), f"step {step}: {len(quantized)} quantizations"
             assert not _stale_entries(experts), f"step {step}: stale FP8 weights {_stale_entries(experts)}"
             _optimizer_step(run)
-        weight_cache._optimizer_steps -= 1  # the step just taken, unheard
+        weight_cache._stamp = lambda weights: ()  # a cache that never notices a change
         _forward_backward(run, STEPS)
-        log(f"PROBE overlap={overlap_param_gather}: unheard step leaves stale copies: {bool(_stale_entries(experts))}")
+        assert _stale_entries(experts), "the check missed a cache that ignores the optimizer"
     finally:
-        K.quantize_fp8_weights_stacked = real
+        K.quantize_fp8_weights_stacked, weight_cache._stamp = real_quantize, real_stamp
     log(f"overlap_param_gather={overlap_param_gather}: quantized once per step, never stale")
 
 
