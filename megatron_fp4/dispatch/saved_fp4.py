@@ -4,7 +4,8 @@ Megatron's own experts (SequentialMLP) save their fc1 input for backward: row sl
 dispatched tokens, which are the exact BF16 dequantization of the received MXFP4 payload. Under
 `FP4SavedRows(source, payload)`, autograd's saved-tensor hooks store such a slice as a view of
 the payload rows instead (H/2 + H/32 bytes per token instead of 2H) and dequantize it again when
-backward asks: lossless, since those values are FP4 values. Every other saved tensor is untouched.
+backward asks: lossless, since those values are FP4 values. Nothing saved keeps the BF16 source
+alive (an empty slice of it is saved as a fresh empty tensor); every other saved tensor is untouched.
 """
 
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ class FP4SavedRows:
         return (first, count) if first + count <= source.shape[0] else None
 
     def pack(self, t: torch.Tensor):
+        if t.numel() == 0 and t.untyped_storage()._cdata == self.source.untyped_storage()._cdata:
+            return t.detach().clone()  # an expert without tokens: its empty view would keep the source alive
         rows = self._rows_of(t)
         if rows is None:
             return t
@@ -73,6 +76,9 @@ class FP4SavedRows:
         return self
 
     def __exit__(self, *exc):
+        # Autograd keeps the pack hook (bound to self) with every tensor it packed until backward:
+        # drop the BF16 source here, or it would stay alive beside the FP4 rows kept in its place.
+        self.source = self.payload = None
         return self._hooks.__exit__(*exc)
 
 
