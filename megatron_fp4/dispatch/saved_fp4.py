@@ -9,10 +9,12 @@ alive (an empty slice of it is saved as a fresh empty tensor); every other saved
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..kernels import dequantize_mxfp4
+from ..telemetry import Telemetry
 from ..tensors import MXFP4Tensor
 
 
@@ -23,12 +25,14 @@ class _PayloadRows:
     payload: MXFP4Tensor
     shape: tuple
     dtype: torch.dtype
+    telemetry: Optional[Telemetry] = None  # told when backward has used the rows
 
 
 class FP4SavedRows:
-    """Context manager; `source` [N, H] must equal the dequantization of `payload` row for row."""
+    """Context manager; `source` [N, H] must equal the dequantization of `payload` row for row.
+    telemetry (--moe-fp4-telemetry): counts the payload rows kept, until backward uses them."""
 
-    def __init__(self, source: torch.Tensor, payload: MXFP4Tensor):
+    def __init__(self, source: torch.Tensor, payload: MXFP4Tensor, telemetry: Optional[Telemetry] = None):
         if source.dim() != 2 or source.shape != payload.shape or not source.is_contiguous():
             raise ValueError(
                 f"FP4SavedRows: source {tuple(source.shape)} must be a contiguous [tokens, hidden] tensor matching "
@@ -36,6 +40,7 @@ class FP4SavedRows:
             )
         self.source = source
         self.payload = payload
+        self.telemetry = telemetry
         self.replaced = 0  # how many saved tensors went to FP4 (for tests and logs)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
@@ -62,12 +67,17 @@ class FP4SavedRows:
         first, count = rows
         self.replaced += 1
         payload = self.payload
-        return _PayloadRows(MXFP4Tensor(payload.rows[first : first + count], payload.hidden, payload.scale_rule),
-                            tuple(t.shape), t.dtype)
+        rows = payload.rows[first : first + count]
+        if self.telemetry is not None:
+            self.telemetry.hold(rows.numel())
+        return _PayloadRows(MXFP4Tensor(rows, payload.hidden, payload.scale_rule), tuple(t.shape), t.dtype,
+                            self.telemetry)
 
     @staticmethod
     def unpack(saved):
         if isinstance(saved, _PayloadRows):
+            if saved.telemetry is not None:
+                saved.telemetry.release(saved.payload.rows.numel())
             return dequantize_mxfp4(saved.payload).to(saved.dtype).view(saved.shape)
         return saved
 
@@ -78,7 +88,7 @@ class FP4SavedRows:
     def __exit__(self, *exc):
         # Autograd keeps the pack hook (bound to self) with every tensor it packed until backward:
         # drop the BF16 source here, or it would stay alive beside the FP4 rows kept in its place.
-        self.source = self.payload = None
+        self.source = self.payload = self.telemetry = None
         return self._hooks.__exit__(*exc)
 
 

@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 
 from .. import kernels as K
+from ..telemetry import Telemetry
 from ..tensors import FP8BlockWeight, MXFP4Tensor
 from .gemm import M_MULTIPLE, columns_segment, columns_segment_as_b, gemm_1x128, gemm_by_weight, rows_segments
 from .segments import ExpertSegments
@@ -33,6 +34,7 @@ class ExpertsCall:
     glu_offset: float
     accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
     backward_follows: bool = True  # False: a no-grad forward (eval, a checkpointed first pass) saves nothing
+    telemetry: Optional[Telemetry] = None  # counts the MXFP4 activations saved for backward
 
 
 # One dummy weight gradient per shape, dtype, device and fill, shared by all experts and layers
@@ -93,6 +95,10 @@ class FP8ExpertsFunction(torch.autograd.Function):
         else:
             saved = (tokens, fc1_out, fc2_in)
         ctx.save_for_backward(*saved, probs, *weights)
+        # Bytes of the MXFP4 activations kept for backward (uint8 rows), for the telemetry.
+        ctx.fp4_bytes = sum(rows.numel() for rows in saved) if payload_rows is not None else 0
+        if call.telemetry is not None:
+            call.telemetry.hold(ctx.fp4_bytes)
         ctx.call = call
         ctx.from_payload = payload_rows is not None
         ctx.sizes = (hidden, ffn)
@@ -113,6 +119,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
             return weight_gradient(param, grad, dtype, call.accumulate_in_main_grad)
 
         if segments.num_tokens == 0:  # a rank that received no tokens this step
+            _release_saved_fp4(ctx)
             grad_input = grad_output.new_zeros(0, hidden)
             return (None, grad_input, torch.zeros_like(probs), None, *_with_empty_experts([], weights, deliver))
         grad_output = grad_output.contiguous()
@@ -140,7 +147,14 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_cols = K.quantize_fp8_cols(saved_input, counts, check_counts=False)
         grad_input, grad_fc1 = _linear_backward(segments, grad_fc1_out, input_cols, fc1_weights, deliver)
         del grad_fc1_out, input_cols
+        _release_saved_fp4(ctx)
         return (None, grad_input, grad_probs, None, *_with_empty_experts(grad_fc1 + grad_fc2, weights, deliver))
+
+
+def _release_saved_fp4(ctx) -> None:
+    """Tell the telemetry that the MXFP4 activations forward counted have been used."""
+    if ctx.call.telemetry is not None:
+        ctx.call.telemetry.release(ctx.fp4_bytes)
 
 
 def _products_by_weight(segments: ExpertSegments, rows, weights: List[Optional[FP8BlockWeight]], width: int,

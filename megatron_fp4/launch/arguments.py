@@ -9,6 +9,7 @@ from ..options import Route
 from ..run_config import GPU_MEMORY_CAP_ENV
 from .installed import HAVE_APEX, HAVE_APEX_GRAD_ACCUM, HAVE_FUSED_SOFTMAX, HAVE_TE
 from .refusal import check_args
+from .telemetry_log import install as install_telemetry_log
 from .workarounds import NO_EVALUATION_INTERVAL, escape_percent_in_help
 
 
@@ -65,8 +66,10 @@ def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
                             route: Route = Route.PLUGIN) -> argparse.Namespace:
     """Megatron's parse_and_validate_args (same arguments) with our flags added, then our
     validation: a configuration the plugin refuses stops the run with one sentence and exit
-    status 2, before Megatron initializes anything on the GPU."""
+    status 2, before Megatron initializes anything on the GPU. With --moe-fp4-telemetry, Megatron's
+    training log reports the telemetry (telemetry_log)."""
     args = megatron_parse_and_validate_args(_chain(add_arguments, extra_args_provider), ignore_unknown_args,
                                             args_defaults or {})
     check_args(args, route)
+    install_telemetry_log(args)
     return args

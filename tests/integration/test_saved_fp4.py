@@ -92,3 +92,19 @@ def test_the_bf16_source_is_not_kept_alive_until_backward(experts):
     assert saved.replaced == 3 and alive() is None, "the BF16 source outlives the forward"
     out.sum().backward()
     assert leaf.grad is not None
+
+
+def test_telemetry_counts_the_fp4_rows_until_backward_reads_them(experts):
+    from megatron_fp4.formats import mxfp4_wire_bytes_per_row
+    from megatron_fp4.telemetry import Telemetry
+
+    g = torch.Generator().manual_seed(9)
+    tokens_per_expert = torch.tensor([6, 2, 0, 8])
+    payload = ref.quantize_mxfp4(torch.randn(16, HIDDEN, generator=g).bfloat16())
+    x = ref.dequantize_mxfp4(payload).requires_grad_(True)
+    telemetry = Telemetry()
+    with FP4SavedRows(x, payload, telemetry):
+        out, _ = experts(x, tokens_per_expert, torch.rand(16, generator=g))
+    assert telemetry.held_bytes == 16 * mxfp4_wire_bytes_per_row(HIDDEN)  # every row, in the slices of 3 experts
+    out.sum().backward()
+    assert telemetry.held_bytes == 0

@@ -85,3 +85,23 @@ def test_moe_layer_call_order(version):
 
     check_step_calls((_version_folder(version) / "megatron" / "core" / "transformer" / "moe" / "moe_layer.py").read_text())
 
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_training_log_asks_the_moe_tracker_for_its_text(version):
+    """--moe-fp4-telemetry reaches the iteration log line through Megatron's MoE metrics tracker
+    (megatron_fp4/launch/telemetry_log.py): each release's training_log must append the tracker's
+    report to the line, and let the tracker be replaced."""
+    import ast
+    import inspect
+
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+
+    megatron = _version_folder(version) / "megatron"
+    training = (megatron / "training" / "training.py").read_text()
+    assert "moe_log_string = get_moe_metrics_tracker().report(" in training
+    assert "log_string += moe_log_string" in training
+    logging = ast.parse((megatron / "core" / "transformer" / "moe" / "moe_logging.py").read_text())
+    functions = {node.name: node for node in ast.walk(logging) if isinstance(node, ast.FunctionDef)}
+    assert "set_moe_metrics_tracker" in functions
+    parameters = [a.arg for a in functions["report"].args.args]
+    assert parameters == list(inspect.signature(MoEMetricsTracker.report).parameters), (version, parameters)
