@@ -22,14 +22,15 @@ import sys
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 
-# The model: 1 MoE layer, hidden 128, 4 experts top-2, 2 micro-batches of 2 x 16 tokens per step.
-HIDDEN, SEQ, MICRO_BATCH, GLOBAL_BATCH, TOPK, ITERATIONS = 128, 16, 2, 4, 2, 2
+# The model: 1 MoE layer, hidden 128, 2 experts top-2 (each token goes to both, so each rank of
+# EP 2 receives exactly the rows it sends), 2 micro-batches of 2 x 16 tokens per rank and step.
+HIDDEN, SEQ, MICRO_BATCH, GLOBAL_BATCH, EXPERTS, TOPK, ITERATIONS = 128, 16, 2, 4, 2, 2, 2
 LAUNCHER_ARGV = [
     "--num-layers", "1", "--hidden-size", str(HIDDEN), "--ffn-hidden-size", "256", "--num-attention-heads", "2",
     "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--position-embedding-type", "rope",
     "--micro-batch-size", str(MICRO_BATCH), "--train-iters", str(ITERATIONS), "--lr", "1e-4",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
-    "--num-experts", "4", "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", "128",
+    "--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", "128",
     "--moe-token-dispatcher-type", "alltoall", "--swiglu", "--disable-bias-linear", "--bf16",
     "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
     "--no-persist-layer-norm", "--no-rope-fusion", "--distributed-backend", "gloo", "--log-interval", "1",
