@@ -12,7 +12,11 @@ Megatron's own set_moe_metrics_tracker.
 
 import inspect
 
-from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker, get_moe_metrics_tracker, set_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_logging import (
+    MoEMetricsTracker,
+    get_moe_metrics_tracker,
+    set_moe_metrics_tracker,
+)
 
 from .. import telemetry
 from ..options import FP4Options

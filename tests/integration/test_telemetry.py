@@ -23,28 +23,28 @@ from support.telemetry_training import Writer, counting_host_reads
 HIDDEN = 256
 
 
-def _tokens(rows, seed=0, hidden=HIDDEN):
+def _tokens(rows, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     scale = torch.exp2(torch.randint(-6, 6, (rows, 1), generator=g).float())
-    return (torch.randn(rows, hidden, generator=g) * scale).bfloat16()
+    return (torch.randn(rows, HIDDEN, generator=g) * scale).bfloat16().to(device)
 
 
 def _dispatch(telemetry, sent_rows, received_rows, grad_format="bf16", replayed=False, scale_rule="ceil", seed=0,
-              scale=1.0):
+              scale=1.0, device="cpu"):
     """One dispatch of sent_rows tokens that delivered received_rows, and its backward."""
-    tokens = _tokens(sent_rows, seed) * scale
-    received = _tokens(received_rows, seed + 1).requires_grad_(True)
+    tokens = _tokens(sent_rows, seed, device) * scale
+    received = _tokens(received_rows, seed + 1, device).requires_grad_(True)
     out = telemetry.dispatched(tokens, received, replayed, scale_rule, grad_format)
     (out.float() * 3).sum().backward()
     assert torch.equal(received.grad, torch.full_like(received, 3.0)), "the gradient must pass unchanged"
     return tokens
 
 
-def test_dispatch_bytes_by_formula_per_step():
+def test_dispatch_bytes_by_formula_per_step(device):
     telemetry = Telemetry()
-    _dispatch(telemetry, 70, 50)  # first pass: MXFP4 forward, BF16 gradient back
-    _dispatch(telemetry, 70, 50, replayed=True)  # a recompute served by the cache: nothing forward
-    _dispatch(telemetry, 40, 30, grad_format="fp8")
+    _dispatch(telemetry, 70, 50, device=device)  # first pass: MXFP4 forward, BF16 gradient back
+    _dispatch(telemetry, 70, 50, replayed=True, device=device)  # a recompute served by the cache: nothing forward
+    _dispatch(telemetry, 40, 30, grad_format="fp8", device=device)
     telemetry.end_step()
     telemetry.end_step()
     numbers = telemetry.read()
@@ -59,19 +59,19 @@ def test_dispatch_bytes_by_formula_per_step():
     assert telemetry.read() is None  # counting afresh: no step ended since
 
 
-def test_a_dispatch_without_backward_counts_no_gradient():
+def test_a_dispatch_without_backward_counts_no_gradient(device):
     telemetry = Telemetry()
-    received = _tokens(8)  # a no-grad pass (a checkpoint's first pass): nothing comes back
-    assert telemetry.dispatched(_tokens(8), received, False, "ceil", "bf16") is received
+    received = _tokens(8, device=device)  # a no-grad pass (a checkpoint's first pass): nothing comes back
+    assert telemetry.dispatched(_tokens(8, device=device), received, False, "ceil", "bf16") is received
     telemetry.end_step()
     numbers = telemetry.read()
     assert numbers.dispatch_backward_bytes == 0 and numbers.dispatch_forward_bytes > 0
 
 
 @pytest.mark.parametrize("rows, scale_rule", [(200, "ceil"), (40, "floor"), (64 * 7 + 5, "ceil")])
-def test_error_is_the_reference_quantization_error_of_the_sampled_rows(rows, scale_rule):
+def test_error_is_the_reference_quantization_error_of_the_sampled_rows(rows, scale_rule, device):
     telemetry = Telemetry()
-    tokens = _dispatch(telemetry, rows, 4, scale_rule=scale_rule)
+    tokens = _dispatch(telemetry, rows, 4, scale_rule=scale_rule, device=device)
     telemetry.end_step()
     sample = tokens[:: max(1, rows // SAMPLED_ROWS)][:SAMPLED_ROWS].float()
     assert sample.shape[0] == min(rows, SAMPLED_ROWS)
@@ -82,11 +82,11 @@ def test_error_is_the_reference_quantization_error_of_the_sampled_rows(rows, sca
     assert 0.01 < expected < 0.3
 
 
-def test_error_pools_the_samples_of_a_step_and_is_none_without_any():
+def test_error_pools_the_samples_of_a_step_and_is_none_without_any(device):
     telemetry = Telemetry()
-    small = _dispatch(telemetry, 10, 4, seed=3)
-    large = _dispatch(telemetry, 10, 4, seed=5, scale=64.0)  # weighs 4096 times more
-    _dispatch(telemetry, 10, 4, replayed=True)  # a replay quantizes nothing
+    small = _dispatch(telemetry, 10, 4, seed=3, device=device)
+    large = _dispatch(telemetry, 10, 4, seed=5, scale=64.0, device=device)  # weighs 4096 times more
+    _dispatch(telemetry, 10, 4, replayed=True, device=device)  # a replay quantizes nothing
     telemetry.end_step()
     sums = []
     for tokens in (small, large):
@@ -112,12 +112,12 @@ def test_held_fp4_bytes_peak_per_read():
     assert telemetry.read().fp4_held_peak_bytes == 50  # still held, and nothing more
 
 
-def test_recording_reads_nothing_from_the_device_and_read_once():
+def test_recording_reads_nothing_from_the_device_and_read_once(device):
     telemetry = Telemetry()
     reads = []
     with counting_host_reads(reads):
-        _dispatch(telemetry, 200, 120)
-        _dispatch(telemetry, 200, 120, grad_format="fp8", replayed=True)
+        _dispatch(telemetry, 200, 120, device=device)
+        _dispatch(telemetry, 200, 120, grad_format="fp8", replayed=True, device=device)
         telemetry.hold(10)
         telemetry.release(10)
         telemetry.end_step()
@@ -128,9 +128,9 @@ def test_recording_reads_nothing_from_the_device_and_read_once():
     assert numbers.relative_rms_error is not None
 
 
-def test_scalars_and_log_text():
+def test_scalars_and_log_text(device):
     telemetry = Telemetry()
-    _dispatch(telemetry, 64, 64)
+    _dispatch(telemetry, 64, 64, device=device)
     telemetry.hold(3 * 2**20)
     telemetry.end_step()
     numbers = telemetry.read()
@@ -168,6 +168,7 @@ def _reduce_worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="two gloo ranks on the CPU")
 def test_read_reduces_over_the_ranks():
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_reduce_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
@@ -186,7 +187,7 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def test_megatrons_moe_tracker_carries_the_numbers_at_logged_iterations(one_rank, monkeypatch):
+def test_megatrons_moe_tracker_carries_the_numbers_at_logged_iterations(one_rank, monkeypatch, device):
     from megatron.core.transformer.moe import moe_logging
 
     from megatron_fp4.launch import telemetry_log
@@ -208,10 +209,10 @@ def test_megatrons_moe_tracker_carries_the_numbers_at_logged_iterations(one_rank
                               num_layers=2, moe_layer_freq=1, mtp_num_layers=None, pg_collection=None,
                               total_loss_dict={})
 
-    _dispatch(recorder, 64, 64)
+    _dispatch(recorder, 64, 64, device=device)
     assert report(1) == ""  # not a logged iteration; Megatron's own metric kept and reported as before
     assert ["load_balancing_loss", 0.25, 1] in writer.scalars
-    _dispatch(recorder, 64, 64)
+    _dispatch(recorder, 64, 64, device=device)
     text = report(2)
     assert text.startswith(" fp4 dispatch fwd MB: 0.009 (bf16 0.033) |")  # the mean of the two steps
     for w in (writer, wandb):
