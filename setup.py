@@ -11,7 +11,10 @@ setup(
     package_data={"megatron_fp4.patching": ["patches/*/*.patch"]},
     entry_points={"console_scripts": ["megatron-fp4 = megatron_fp4.cli:main"]},
     extras_require={
-        "test": ["pytest>=8", "numpy"],
+        # The test extra renders the estimator's plot in a test, so it needs the plot extra's matplotlib.
+        "test": ["pytest>=8", "numpy", "matplotlib"],
+        # `megatron-fp4 estimate --plot FILE.png`.
+        "plot": ["matplotlib"],
         # Transformer Engine's PyTorch part builds from source against CUDA; optional.
         "te": ["transformer-engine[pytorch]"],
     },

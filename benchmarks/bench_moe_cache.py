@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import (finish, interleaved_times_ms, layer_options, layer_step, max_over_ranks, moe_config,
-                               permuted_tokens_and_splits, random_tokens, slowest_median_ms, start_expert_parallel)
+                               paired_differences_ms, permuted_tokens_and_splits, random_tokens, slowest_median_ms,
+                               start_expert_parallel)
 
 BENCH = "bench_moe_cache"
 NO_RECOMPUTE, CACHE_OFF, CACHE_ON = "no recompute", "recompute moe, cache off", "recompute moe, cache on"
@@ -99,20 +100,10 @@ def measure_kind(args, experts: str, x, grad, group):
     for name, layer in layers.items():
         held, cache_bytes = held_bytes(layer, x, grad)
         rows[name] = (max_over_ranks(statistics.median(times[name])), max_over_ranks(held), max_over_ranks(cache_bytes))
-    saving = paired_saving_ms(times[CACHE_OFF], times[CACHE_ON])
+    saving = paired_differences_ms(times[CACHE_OFF], times[CACHE_ON])  # what the cache saves, round by round
     del layers
     torch.cuda.empty_cache()
     return rows, saving, (all_to_all_ms, dispatch_ms), received_bf16_bytes
-
-
-def paired_saving_ms(off, on):
-    """(median, first quartile, third quartile) of the per-round differences off - on, each the
-    smallest over ranks: what the cache saves, paired round by round."""
-    differences = [a - b for a, b in zip(off, on)]
-    first, _, third = statistics.quantiles(differences, n=4)
-    stats = torch.tensor([statistics.median(differences), first, third], device="cuda")
-    dist.all_reduce(stats, op=dist.ReduceOp.MIN)
-    return tuple(stats.tolist())
 
 
 def main(argv=None) -> int:

@@ -65,6 +65,17 @@ def interleaved_medians_ms(fns: dict, iters: int, warmup: int) -> dict:
     return dict(zip(times, medians.tolist()))
 
 
+def paired_differences_ms(first, second, op=dist.ReduceOp.MIN):
+    """(median, first quartile, third quartile) of the per-round differences first - second of two
+    functions timed in turns (interleaved_times_ms), each reduced over ranks with `op` (MIN: the
+    smallest saving any rank sees; MAX: the largest cost)."""
+    differences = [a - b for a, b in zip(first, second)]
+    q1, _, q3 = statistics.quantiles(differences, n=4)
+    stats = torch.tensor([statistics.median(differences), q1, q3], device="cuda")
+    dist.all_reduce(stats, op=op)
+    return tuple(stats.tolist())
+
+
 def max_over_ranks(value: float) -> float:
     t = torch.tensor([float(value)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

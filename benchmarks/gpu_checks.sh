@@ -2,7 +2,7 @@
 # Everything this repo checks on GPUs, in one go (a device session is short; about 9 minutes on
 # 2 x H200): the GPU-marked tests plus the device-agnostic kernel and FP8-experts tests on CUDA,
 # the kernel benchmark at 16384 x 7168, the MoE layer benchmark (stock vs FP4 dispatch and the four
-# expert configurations), the recompute-cache benchmark, a per-kernel profile of the FP4 +
+# expert configurations), the recompute-cache benchmark, the telemetry's cost, a per-kernel profile of the FP4 +
 # FP8-experts layer, and a proxy training run with FP8 experts through the README's command.
 # Prints a short summary. The benchmarks append their rows to benchmarks/results/*.jsonl, or to
 # $MEGATRON_FP4_BENCH_RESULTS (on the device machine: a folder under $OUT, so that they come back);
@@ -12,7 +12,7 @@
 #
 #   benchmarks/gpu_checks.sh               # on a machine with 1+ GPUs, from anywhere
 # Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_grouped_gemm bench_moe_layer
-# bench_moe_cache profile_fp4_fp8 profile_cache memcap_capped train_proxy; default all) to split the
+# bench_moe_cache bench_telemetry profile_fp4_fp8 profile_cache memcap_capped train_proxy; default all) to split the
 # work over two device calls,
 # e.g. CHECKS="bench_moe_cache profile_fp4_fp8 train_proxy" TRAIN_ITERS=200; TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
 # MEMCAP_CONFIGS (memcap_bf16_attn memcap_fp4_fp8_attn): the configs/proxy/ names run under their cap;
@@ -49,6 +49,7 @@ if ((GPUS >= 2)); then
     EXPERTS=${BENCH_EXPERTS:-$((8 * GPUS))}
     step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.bench_moe_layer --experts "$EXPERTS"
     step bench_moe_cache torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.bench_moe_cache --experts "$EXPERTS"
+    step bench_telemetry torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.bench_telemetry --experts "$EXPERTS"
     step profile_fp4_fp8 torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.profile_moe_layer \
         --experts "$EXPERTS" --layer stock,fp4-fp8 --host
     # Why the cache saves little with FP8 experts: the checkpointed FP8 layer with and without it.

@@ -50,6 +50,7 @@ class FP4Options:
     cache: bool = False
     saved_input: bool = False
     experts: ExpertsPrecision = ExpertsPrecision.BF16
+    telemetry: bool = False
 
     def __post_init__(self):
         # Accept the flags' strings; keep the enums.
@@ -113,6 +114,13 @@ FLAGS = (
          "straight from the MXFP4 payload, SwiGLU and fc2 inputs saved in MXFP4; the same parameters and "
          "checkpoint keys as SequentialMLP). Without --moe-fp4-dispatch, fp8 quantizes the BF16 dispatch itself "
          "(the FP8 baseline).", ExpertsPrecision),
+    Flag("telemetry", "Add the FP4 dispatch's numbers per training step to Megatron's iteration log line (and to "
+         "TensorBoard / W&B when those are on), averaged per GPU over the --log-interval: bytes the dispatch "
+         "all-to-all sent forward and backward next to what BF16 would have sent, the relative RMS error of the "
+         "dispatched tokens' MXFP4 quantization (on up to 64 sampled rows per dispatch), recompute-cache hits, and "
+         "the peak bytes held in FP4 storage (cached payloads, activations saved in MXFP4). The layers read "
+         "nothing back from the GPU; the numbers are read once per logged iteration. Off by default: it adds a few "
+         "small kernels per MoE layer and micro-batch."),
 )
 
 
@@ -279,6 +287,9 @@ REFUSALS = (
     Refusal("--moe-fp4-saved-input without --moe-fp4-dispatch",
             lambda o, m, e, r: o.saved_input and not o.dispatch,
             "--moe-fp4-saved-input needs --moe-fp4-dispatch: it keeps the FP4 dispatch's payload."),
+    Refusal("--moe-fp4-telemetry without --moe-fp4-dispatch",
+            lambda o, m, e, r: o.telemetry and not o.dispatch,
+            "--moe-fp4-telemetry needs --moe-fp4-dispatch: it reports the FP4 dispatch's traffic, error and storage."),
     Refusal("--moe-fp4-saved-input with --moe-fp4-experts fp8",
             lambda o, m, e, r: o.saved_input and _fp8_experts(o),
             "--moe-fp4-saved-input is for Megatron's BF16 experts; --moe-fp4-experts fp8 already keeps its saved "
@@ -298,12 +309,12 @@ REFUSALS = (
             lambda o, m, e, r: _fp8_experts(o) and e is not None and e.compute_capability not in (None, (9, 0)),
             "--moe-fp4-experts fp8 needs Hopper GPUs (compute capability 9.0, found {compute_capability}): its FP8 "
             "block-scaled GEMMs are SM90's; drop --moe-fp4-experts fp8."),
-    Refusal("the patch route (also our launcher on a patched tree) with --moe-fp4-cache, --moe-fp4-saved-input "
-            "or --moe-fp4-experts fp8",
-            lambda o, m, e, r: r is Route.PATCH and (o.cache or o.saved_input or _fp8_experts(o)),
+    Refusal("the patch route (also our launcher on a patched tree) with --moe-fp4-cache, --moe-fp4-saved-input, "
+            "--moe-fp4-experts fp8 or --moe-fp4-telemetry",
+            lambda o, m, e, r: r is Route.PATCH and (o.cache or o.saved_input or _fp8_experts(o) or o.telemetry),
             "a megatron-core tree patched with `megatron-fp4 patch` serves --moe-fp4-dispatch only: drop "
-            "--moe-fp4-cache, --moe-fp4-saved-input and --moe-fp4-experts fp8, or run megatron_fp4.launch on an "
-            "unpatched megatron-core."),
+            "--moe-fp4-cache, --moe-fp4-saved-input, --moe-fp4-experts fp8 and --moe-fp4-telemetry, or run "
+            "megatron_fp4.launch on an unpatched megatron-core."),
     Refusal("context parallelism (our launcher does not slice batches per CP rank)",
             lambda o, m, e, r: r is Route.LAUNCHER and m.context_parallel_size > 1,
             "megatron_fp4's launcher does not slice batches for context parallelism: use --context-parallel-size 1."),

@@ -9,6 +9,7 @@ from ..console import fail
 from ..options import UnsupportedConfiguration
 from ..run_config import ConfigError, load_config, validate_config
 from .core import apply_overrides, estimate
+from .plot import PlotUnavailable, matplotlib_figure_class, plot
 from .report import FP4_MEMORY_ROWS, as_json, detail, table
 from .shapes import EstimateError
 
@@ -63,10 +64,20 @@ def register(subparsers) -> None:
                              "repeatable")
     parser.add_argument("--detail", action="store_true",
                         help="after the table, each row's per-rank peaks and one micro-batch's activations by tensor")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw each row's peak memory per GPU as a bar stacked by part (weights, gradients, "
+                             "optimizer, activations, transient) against the GPU's memory; the suffix picks the "
+                             "format (.png, .svg, .pdf). Needs matplotlib (pip install 'megatron_fp4[plot]')")
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
+    if args.plot:
+        try:  # before the estimates, which take a while
+            matplotlib_figure_class()
+        except PlotUnavailable as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     modes = ("recipe", "installed") if args.fp4_memory == "both" else (args.fp4_memory,)
     overrides = dict(args.overrides)
     estimates = []
@@ -82,10 +93,12 @@ def run(args) -> int:
         return fail(str(err))
     if args.json:
         print(as_json(estimates))
-        return 0
-    print(table(estimates))
-    if args.detail:
-        for e in estimates:
-            print()
-            print(detail(e))
+    else:
+        print(table(estimates))
+        if args.detail:
+            for e in estimates:
+                print()
+                print(detail(e))
+    if args.plot:
+        print(f"plot: {plot(estimates, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0

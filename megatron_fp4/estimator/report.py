@@ -15,7 +15,8 @@ COLUMNS = ("config", "prec", "fp4 memory", "recompute", "weights", "grads", "opt
            "peak GiB", "% GPU", "fits", "a2a GB/step")
 
 
-def _name(path: str) -> str:
+def display_name(path: str) -> str:
+    """A config's folder and file name (proxy/gpus2.yaml)."""
     p = Path(path)
     return f"{p.parent.name}/{p.name}"
 
@@ -25,7 +26,7 @@ def row(e: Estimate) -> list[str]:
     fits = "-" if e.fits is None else ("fits" if e.fits else "OOM")
     percent = "-" if e.fraction is None else f"{100 * e.fraction:.1f}"
     mode = e.mode if e.precision.name == "fp4" else ""
-    return [_name(e.config), e.precision.name, mode, e.recompute.label(),
+    return [display_name(e.config), e.precision.name, mode, e.recompute.label(),
             f"{r.static.weights / GIB:.2f}", f"{r.static.grads / GIB:.2f}", f"{r.static.optimizer / GIB:.2f}",
             f"{r.activations / GIB:.2f}", f"{(r.transient + r.static.workspace) / GIB:.2f}",
             f"{e.peak_gib:.2f}", percent, fits, f"{e.a2a.total / 1e9:.1f}"]
@@ -52,7 +53,7 @@ def table(estimates: list[Estimate]) -> str:
 
 def detail(e: Estimate) -> str:
     r = e.peak_rank
-    lines = [f"{_name(e.config)} ({e.precision.name}{', ' + e.mode if e.precision.name == 'fp4' else ''}): "
+    lines = [f"{display_name(e.config)} ({e.precision.name}{', ' + e.mode if e.precision.name == 'fp4' else ''}): "
              f"peak rank {r.rank}, micro-batches held per chunk {r.held}, per-rank peaks GiB "
              + " ".join(f"{x.peak / GIB:.1f}" for x in e.ranks),
              "  one micro-batch of this rank's chunks, GiB:"]

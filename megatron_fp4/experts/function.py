@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .. import kernels as K
+from ..telemetry import Telemetry
 from ..tensors import FP8StackedWeights, MXFP4Tensor
 from .gemm import per_expert_products, per_expert_wgrad
 from .segments import ExpertSegments
@@ -45,6 +46,7 @@ class ExpertsCall:
     backward_follows: bool = True  # False: a no-grad forward (eval, a checkpointed first pass) saves nothing
     weight_cache: FP8WeightCache = field(default_factory=FP8WeightCache)  # the module's: FP8 weights per step
     gemms: ExpertGemms = ExpertGemms.GROUPED
+    telemetry: Optional[Telemetry] = None  # counts the MXFP4 activations saved for backward
 
 
 # One dummy weight gradient per shape, dtype, device and fill, shared by all experts and layers
@@ -126,6 +128,10 @@ class FP8ExpertsFunction(torch.autograd.Function):
         else:
             saved = (tokens, fc1_out, fc2_in)
         ctx.save_for_backward(*saved, probs, *weights)
+        # Bytes of the MXFP4 activations kept for backward (uint8 rows), for the telemetry.
+        ctx.fp4_bytes = sum(rows.numel() for rows in saved) if payload_rows is not None else 0
+        if call.telemetry is not None:
+            call.telemetry.hold(ctx.fp4_bytes)
         ctx.call = call
         ctx.from_payload = payload_rows is not None
         ctx.sizes = (hidden, ffn)
@@ -145,6 +151,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
             return weight_gradients(params, grad_cols, input_cols, dtype, call)
 
         if segments.num_tokens == 0:  # a rank that received no tokens this step
+            _release_saved_fp4(ctx)
             grad_input = grad_output.new_zeros(0, hidden)
             return (None, grad_input, torch.zeros_like(probs), None, *wgrads(weights, None, None))
         grad_output = grad_output.contiguous()
@@ -174,7 +181,14 @@ class FP8ExpertsFunction(torch.autograd.Function):
         grad_input, grad_fc1 = _linear_backward(call, grad_fc1_out, input_cols, fc1_weights,
                                                    call.weight_cache.get("fc1", fc1_weights, True), wgrads)
         del grad_fc1_out, input_cols
+        _release_saved_fp4(ctx)
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
+
+
+def _release_saved_fp4(ctx) -> None:
+    """Tell the telemetry that the MXFP4 activations forward counted have been used."""
+    if ctx.call.telemetry is not None:
+        ctx.call.telemetry.release(ctx.fp4_bytes)
 
 
 def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:

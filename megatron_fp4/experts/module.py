@@ -15,6 +15,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from .checkpoint_format import check_optimizer_checkpoint_format
 from ..options import ExpertsPrecision, FP4Options, ModelSettings, Route, validate
+from ..telemetry import Telemetry
 from ..tensors import MXFP4Tensor
 from .function import ExpertGemms, ExpertsCall, FP8ExpertsFunction
 from .segments import ExpertSegments
@@ -47,9 +48,10 @@ class FP8Experts(SequentialMLP):
                     hook(holder, ())
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                payload: Optional[MXFP4Tensor] = None, **kwargs):
+                payload: Optional[MXFP4Tensor] = None, telemetry: Optional[Telemetry] = None, **kwargs):
         """payload: the MXFP4 rows whose dequantization permuted_local_hidden_states is (then its
-        values are not read), or None to quantize permuted_local_hidden_states here."""
+        values are not read), or None to quantize permuted_local_hidden_states here. telemetry:
+        where to count the MXFP4 activations kept for backward (--moe-fp4-telemetry)."""
         if kwargs:
             raise ValueError(f"FP8Experts does not support the experts' extra arguments {sorted(kwargs)}")
         self._run_weight_holders_pre_hooks()
@@ -67,7 +69,7 @@ class FP8Experts(SequentialMLP):
             tokens.requires_grad or permuted_probs.requires_grad or any(w.requires_grad for w in weights))
         call = ExpertsCall(segments, payload.scale_rule if payload is not None else self.scale_rule,
                            float(self.config.glu_linear_offset), self.accumulate_in_main_grad, backward_follows,
-                           self.weight_cache, self.gemms)
+                           self.weight_cache, self.gemms, telemetry)
         output = FP8ExpertsFunction.apply(call, tokens, permuted_probs,
                                           payload.rows if payload is not None else None, *weights)
         return output, None

@@ -12,8 +12,11 @@ one value along them in the tokens' place, `LayerForward`: preprocess creates it
 tokens and, with --moe-fp4-cache, the micro-batch and the cache's role in this pass), dispatch
 adds what the all-to-all delivered (`ReceivedTokens`: BF16 tokens and the MXFP4 payload), and
 routed_experts_compute hands the payload to the experts as an argument. Nothing is set on one
-object for another to read. A Megatron that put work between these steps would meet a
-LayerForward where it expects a tensor and fail at once; tests/integration pins the order.
+object for another to read. With --moe-fp4-telemetry the layer records each training pass's
+dispatch and cache use in the process's recorder (megatron_fp4.telemetry) and hands the recorder
+to the experts and the saved-input hooks as an argument. A Megatron that put work between these
+steps would meet a LayerForward where it expects a tensor and fail at once; tests/integration
+pins the order.
 Megatron's split schedule (--overlap-moe-expert-parallel-comm) calls the steps itself and CUDA
 graphs capture them: both are refused by megatron_fp4.options.
 """
@@ -28,6 +31,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from .. import telemetry
 from ..dispatch.cache import DispatchCache, MicroBatchKey
 from ..dispatch.saved_fp4 import FP4SavedRows
 from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher, ReceivedTokens
@@ -69,6 +73,11 @@ class FP4MoELayer(MoELayer):
         self.recompute_cache = (
             DispatchCache(f"MoE layer, experts {self.local_expert_indices[0]}..") if fp4_options.cache else None
         )
+        # --moe-fp4-telemetry: the process's recorder, handed to what records (training passes only).
+        self.telemetry = telemetry.recorder() if fp4_options.telemetry else None
+
+    def _recording(self) -> Optional[telemetry.Telemetry]:
+        return self.telemetry if self.training else None
 
     def _cache_role(self, hidden_states: torch.Tensor) -> CacheRole:
         """Megatron checkpoints the layer when moe_layer_recompute and training. Its first pass
@@ -93,8 +102,18 @@ class FP4MoELayer(MoELayer):
         # Our FP8 experts compute from the payload; Megatron's need its BF16 dequantization.
         dequantize = self.options.experts is not ExpertsPrecision.FP8
         received, probs = self.token_dispatcher.dispatch_fp4(forward.tokens, probs, dequantize, replay)
+        recording = self._recording()
         if forward.cache_role is CacheRole.RECORD:
-            self.recompute_cache.store(forward.micro_batch, received.cached())
+            entry = received.cached()
+            self.recompute_cache.store(forward.micro_batch, entry)
+            if recording is not None:
+                recording.hold(entry.nbytes())
+        if recording is not None:
+            if replay is not None:
+                recording.release(replay.nbytes())
+            counted = recording.dispatched(forward.tokens, received.tokens, replay is not None,
+                                           self.options.scale_rule, self.options.dispatch_grad)
+            received = dataclasses.replace(received, tokens=counted)
         return dataclasses.replace(forward, received=received), probs
 
     def routed_experts_compute(self, forward: LayerForward, probs):
@@ -103,9 +122,9 @@ class FP4MoELayer(MoELayer):
         tokens, tokens_per_expert, probs = dispatcher.dispatch_postprocess(received.tokens, probs)
         if self.options.experts is ExpertsPrecision.FP8:
             payload = dispatcher.sort_like_experts(received.payload)
-            output, bias = self.experts(tokens, tokens_per_expert, probs, payload=payload)
+            output, bias = self.experts(tokens, tokens_per_expert, probs, payload=payload, telemetry=self._recording())
         elif self.options.saved_input and torch.is_grad_enabled():
-            with FP4SavedRows(tokens, dispatcher.sort_like_experts(received.payload)):
+            with FP4SavedRows(tokens, dispatcher.sort_like_experts(received.payload), self._recording()):
                 output, bias = self.experts(tokens, tokens_per_expert, probs)
         else:
             output, bias = self.experts(tokens, tokens_per_expert, probs)

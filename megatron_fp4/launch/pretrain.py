@@ -12,6 +12,7 @@ from .arguments import LAUNCHER_DEFAULTS, add_launcher_arguments, check_before_m
 from .gpt import forward_step, model_provider, train_valid_test_datasets_provider
 from .memory_cap import apply_memory_cap
 from .refusal import check_args
+from .telemetry_log import install as install_telemetry_log
 from .workarounds import use_prebuilt_dataset_helpers
 
 
@@ -19,6 +20,7 @@ def main():
     check_before_megatron_validates(add_launcher_arguments, False, LAUNCHER_DEFAULTS, Route.LAUNCHER)
     args = parse_launcher_args()
     check_args(args, Route.LAUNCHER)  # right after Megatron's own validation, before any GPU work
+    install_telemetry_log(args)
     apply_memory_cap(args.local_rank)
 
     use_prebuilt_dataset_helpers()

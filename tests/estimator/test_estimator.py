@@ -2,6 +2,7 @@
 docs/estimator.md. Measured numbers below come from Megatron's own memory log lines on H200s."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -344,3 +345,50 @@ def test_estimate_refuses_what_a_launch_refuses(tmp_path, capsys):
                              capture_output=True, text=True, timeout=300, check=False)
     assert command.returncode == 2 and command.stdout == ""
     assert one_error_line(command.stderr).startswith("error: --moe-fp4-dispatch needs --moe-token-dispatcher-type")
+
+
+def test_plot_bars_are_the_tables_columns():
+    from megatron_fp4.estimator.plot import PARTS, bar_of
+
+    for name in ("memcap_bf16_attn", "memcap_bf16_attn_moe"):
+        e = estimate(PROXY / f"{name}.yaml")
+        bar = bar_of(e)
+        r = e.peak_rank
+        assert list(bar.parts) == [part for part, _ in PARTS]
+        assert bar.parts["optimizer"] == r.static.optimizer / GIB
+        assert bar.parts["transient"] == (r.transient + r.static.workspace) / GIB  # as the table's column
+        assert bar.peak_gib == pytest.approx(e.peak_gib)
+        assert (bar.capacity_gib, bar.fits) == (e.gpu_memory_gib, e.fits)
+        assert bar.label.startswith(f"proxy/{name}.yaml\nbf16, recompute core_attn")
+
+
+def _png_size(path: Path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_cli_plots_the_configs_against_the_gpu_memory(tmp_path, capsys):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the test extra installs matplotlib")  # a broken install, not a skip
+        pytest.skip("matplotlib is not installed (pip install 'megatron_fp4[plot]')")
+    path = tmp_path / "memcap.png"
+    configs = [str(PROXY / f"memcap_{name}.yaml") for name in ("bf16_attn", "bf16_attn_moe", "fp4_attn")]
+    assert _main(["estimate", "--plot", str(path), *configs]) == 0
+    out = capsys.readouterr().out
+    assert f"plot: {path}" in out and "memcap_fp4_attn.yaml" in out  # the table too
+    width, height = _png_size(path)
+    assert width > 1000 and height > 500  # four bars (two for the fp4 config), legend, labels
+
+
+def test_cli_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    path = tmp_path / "none.png"
+    assert _main(["estimate", "--plot", str(path), str(PROXY / "memcap_bf16_attn.yaml")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not path.exists()
+    assert captured.err == "error: --plot needs matplotlib: pip install 'megatron_fp4[plot]' (or matplotlib)\n"

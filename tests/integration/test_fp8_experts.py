@@ -400,3 +400,23 @@ def test_gemm_contract_is_checked_on_every_device(device):
         gemm_by_weight(x.data[:3], x.block_scales[:, :3].contiguous().t(), w)
     with pytest.raises(RuntimeError, match="scale_a must be"):
         gemm_by_weight(x.data[:4], x.block_scales.t()[:4], w)  # leading stride 8, not 4
+
+
+def test_telemetry_counts_the_saved_fp4_until_backward_has_used_it(model_parallel, device):
+    from megatron_fp4.telemetry import Telemetry
+
+    experts = _build(model_parallel, device)
+    payload, probs, grad = _inputs(device)
+    x = ref.dequantize_mxfp4(payload).requires_grad_(True)
+    telemetry = Telemetry()
+    out, _ = experts(x, torch.tensor(COUNTS), probs, payload=payload, telemetry=telemetry)
+    expected = sum(COUNTS) * (mxfp4_wire_bytes_per_row(HIDDEN) + mxfp4_wire_bytes_per_row(2 * FFN)
+                              + mxfp4_wire_bytes_per_row(FFN))  # what the test above finds saved
+    assert telemetry.held_bytes == expected
+    out.backward(grad)
+    assert telemetry.held_bytes == 0
+    with torch.no_grad():  # nothing saved, nothing counted
+        experts(x, torch.tensor(COUNTS), probs, payload=payload, telemetry=telemetry)
+    experts(x, torch.tensor(COUNTS), probs, telemetry=telemetry)[0].backward(grad)  # the FP8 baseline keeps BF16
+    telemetry.end_step()
+    assert telemetry.held_bytes == 0 and telemetry.read().fp4_held_peak_bytes == expected

@@ -121,6 +121,14 @@ def test_saved_input_flag_needs_dispatch_and_no_permute_fusion():
     _check(_config(moe_fp4_saved_input=True, moe_permute_fusion=False))
 
 
+def test_telemetry_flag_needs_dispatch():
+    assert _parse(["--moe-fp4-telemetry"]).moe_fp4_telemetry is True and _parse([]).moe_fp4_telemetry is False
+    assert FP4Options.from_args(_parse(["--moe-fp4-dispatch", "--moe-fp4-telemetry"])).telemetry
+    with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-telemetry needs --moe-fp4-dispatch"):
+        _check(_config(moe_fp4_dispatch=False, moe_fp4_telemetry=True))
+    _check(_config(moe_fp4_telemetry=True))
+
+
 def _fp8_experts(**overrides):
     settings = dict(moe_fp4_experts="fp8", swiglu=True, add_bias_linear=False, moe_ffn_hidden_size=2048)
     settings.update(overrides)
@@ -197,12 +205,14 @@ def test_model_settings_read_alike_from_args_and_config():
 
 
 def test_the_patch_route_refuses_what_needs_the_plugins_layer():
-    """A patched tree keeps Megatron's MoELayer: the cache, the saved-input hooks and the FP8 experts
-    need ours, so they are refused at start-up there (not at the first forward, not ignored)."""
+    """A patched tree keeps Megatron's MoELayer: the cache, the saved-input hooks, the FP8 experts and
+    the telemetry need ours, so they are refused at start-up there (not at the first forward, not
+    ignored)."""
     recompute = dict(recompute_granularity="selective", recompute_modules=["moe"])
     for flags in ({"moe_fp4_cache": True, **recompute}, {"moe_fp4_saved_input": True},
                   {"moe_fp4_experts": "fp8", "swiglu": True, "moe_ffn_hidden_size": 2048},
-                  {"moe_fp4_experts": "fp8", "swiglu": True, "moe_ffn_hidden_size": 2048, "moe_fp4_dispatch": False}):
+                  {"moe_fp4_experts": "fp8", "swiglu": True, "moe_ffn_hidden_size": 2048, "moe_fp4_dispatch": False},
+                  {"moe_fp4_telemetry": True}):
         _check(_config(**flags), route=Route.LAUNCHER)
         with pytest.raises(UnsupportedConfiguration, match="patched with `megatron-fp4 patch`"):
             _check(_config(**flags), route=Route.PATCH)

@@ -3,6 +3,8 @@ payload rows: outputs and every gradient bit-identical to keeping BF16, and exac
 input slices go to FP4."""
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -72,3 +74,37 @@ def test_refuses_a_source_that_does_not_match_the_payload():
     payload = ref.quantize_mxfp4(torch.randn(6, HIDDEN).bfloat16())
     with pytest.raises(ValueError, match="matching"):
         FP4SavedRows(torch.zeros(5, HIDDEN, dtype=torch.bfloat16), payload)
+
+
+def test_the_bf16_source_is_not_kept_alive_until_backward(experts):
+    """Autograd keeps the pack hook with every tensor it packed; the hook must not keep the BF16
+    experts' input alive beside the FP4 rows saved in its place."""
+    g = torch.Generator().manual_seed(8)
+    tokens_per_expert = torch.tensor([6, 2, 0, 8])
+    payload = ref.quantize_mxfp4(torch.randn(16, HIDDEN, generator=g).bfloat16())
+    leaf = ref.dequantize_mxfp4(payload).requires_grad_(True)
+    source = leaf * 1  # not a leaf, like the dispatch's output: only saved tensors could keep it
+    alive = weakref.ref(source)
+    with FP4SavedRows(source, payload) as saved:
+        out, _ = experts(source, tokens_per_expert, torch.rand(16, generator=g))
+    del source
+    gc.collect()
+    assert saved.replaced == 3 and alive() is None, "the BF16 source outlives the forward"
+    out.sum().backward()
+    assert leaf.grad is not None
+
+
+def test_telemetry_counts_the_fp4_rows_until_backward_reads_them(experts):
+    from megatron_fp4.formats import mxfp4_wire_bytes_per_row
+    from megatron_fp4.telemetry import Telemetry
+
+    g = torch.Generator().manual_seed(9)
+    tokens_per_expert = torch.tensor([6, 2, 0, 8])
+    payload = ref.quantize_mxfp4(torch.randn(16, HIDDEN, generator=g).bfloat16())
+    x = ref.dequantize_mxfp4(payload).requires_grad_(True)
+    telemetry = Telemetry()
+    with FP4SavedRows(x, payload, telemetry):
+        out, _ = experts(x, tokens_per_expert, torch.rand(16, generator=g))
+    assert telemetry.held_bytes == 16 * mxfp4_wire_bytes_per_row(HIDDEN)  # every row, in the slices of 3 experts
+    out.sum().backward()
+    assert telemetry.held_bytes == 0

@@ -6,13 +6,14 @@ into .megatron-versions/<version>/. One pytest item per (version, scenario), e.g
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from support.rank_processes import run_ranks
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -48,28 +49,9 @@ def _run_pair(folder: Path, version: str, scenario: dict, timeout_s: int):
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)  # the worker puts the version folder first itself
     with tempfile.TemporaryDirectory() as tmp:
-        logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(WORLD)]
-        ranks = [subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(r), str(WORLD), str(Path(tmp) / "init"),
-                                   str(folder), version, json.dumps(scenario)],
-                                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-                 for r, log in enumerate(logs)]
-        codes = []
-        try:
-            for rank in ranks:
-                codes.append(rank.wait(timeout=timeout_s))
-        except subprocess.TimeoutExpired:
-            codes.append(f"timed out after {timeout_s} s")
-        finally:
-            for rank in ranks:
-                if rank.poll() is None:
-                    rank.kill()
-                    rank.wait()
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
-    return codes, outputs
+        commands = [[sys.executable, str(HERE / "worker.py"), str(r), str(WORLD), str(Path(tmp) / "init"), str(folder),
+                     version, json.dumps(scenario)] for r in range(WORLD)]
+        return run_ranks(commands, ROOT, env, timeout_s)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation of the CUDA paths")
@@ -102,3 +84,24 @@ def test_moe_layer_call_order(version):
     from support.megatron_call_order import check_step_calls
 
     check_step_calls((_version_folder(version) / "megatron" / "core" / "transformer" / "moe" / "moe_layer.py").read_text())
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_training_log_asks_the_moe_tracker_for_its_text(version):
+    """--moe-fp4-telemetry reaches the iteration log line through Megatron's MoE metrics tracker
+    (megatron_fp4/launch/telemetry_log.py): each release's training_log must append the tracker's
+    report to the line, and let the tracker be replaced."""
+    import ast
+    import inspect
+
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+
+    megatron = _version_folder(version) / "megatron"
+    training = (megatron / "training" / "training.py").read_text()
+    assert "moe_log_string = get_moe_metrics_tracker().report(" in training
+    assert "log_string += moe_log_string" in training
+    logging = ast.parse((megatron / "core" / "transformer" / "moe" / "moe_logging.py").read_text())
+    functions = {node.name: node for node in ast.walk(logging) if isinstance(node, ast.FunctionDef)}
+    assert "set_moe_metrics_tracker" in functions
+    parameters = [a.arg for a in functions["report"].args.args]
+    assert parameters == list(inspect.signature(MoEMetricsTracker.report).parameters), (version, parameters)

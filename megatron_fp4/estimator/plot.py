@@ -1,0 +1,91 @@
+"""`megatron-fp4 estimate --plot FILE.png`: each estimate row as one horizontal bar of its peak
+memory per GPU, stacked by part (weights, gradients, optimizer, activations, transient), against
+the GPU's memory, so that one picture shows which configurations (precisions, recompute scopes)
+fit. Needs matplotlib, the package's optional extra `plot`: pip install 'megatron_fp4[plot]'."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .core import GIB, Estimate
+from .report import display_name
+
+# (part, colour); the parts sum to the peak, as the table's columns do (transient includes the
+# persistent buffers, as the table's transient column does).
+PARTS = (("weights", "#4c72b0"), ("gradients", "#55a868"), ("optimizer", "#c44e52"), ("activations", "#8172b2"),
+         ("transient", "#ccb974"))
+CAPACITY_COLOUR = "#222222"
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+@dataclass(frozen=True)
+class Bar:
+    label: str
+    parts: dict  # part -> GiB, in PARTS order
+    capacity_gib: Optional[float]  # the config's cluster.gpu_memory_gib
+
+    @property
+    def peak_gib(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.capacity_gib is None else self.peak_gib <= self.capacity_gib
+
+
+def bar_of(e: Estimate) -> Bar:
+    r = e.peak_rank
+    mode = f", {e.mode}" if e.precision.name == "fp4" else ""
+    label = f"{display_name(e.config)}\n{e.precision.name}{mode}, recompute {e.recompute.label()}"
+    values = (r.static.weights, r.static.grads, r.static.optimizer, r.activations, r.transient + r.static.workspace)
+    return Bar(label, {part: value / GIB for (part, _), value in zip(PARTS, values)}, e.gpu_memory_gib)
+
+
+def matplotlib_figure_class():
+    """matplotlib's Figure (no pyplot: no GUI backend, no global state), or PlotUnavailable."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'megatron_fp4[plot]' (or matplotlib)") from err
+    return Figure
+
+
+def plot(estimates: list[Estimate], path) -> Path:
+    """Write the bars of `estimates` (top to bottom in their order) to `path` (its suffix picks the
+    format: .png, .svg, .pdf)."""
+    Figure = matplotlib_figure_class()
+    bars = [bar_of(e) for e in estimates]
+    figure = Figure(figsize=(11, 1.2 + 0.75 * len(bars)), layout="constrained")
+    axes = figure.add_subplot()
+    rows = range(len(bars))
+    left = [0.0] * len(bars)
+    for part, colour in PARTS:
+        widths = [b.parts[part] for b in bars]
+        axes.barh(rows, widths, left=left, height=0.6, color=colour, label=part)
+        left = [x + w for x, w in zip(left, widths)]
+    widest = max([b.peak_gib for b in bars] + [b.capacity_gib or 0 for b in bars])
+    legend = "GPU memory"
+    for row, b in zip(rows, bars):
+        verdict = "" if b.fits is None else ("  fits" if b.fits else "  OOM")
+        axes.text(b.peak_gib + 0.01 * widest, row, f"{b.peak_gib:.1f} GiB{verdict}", va="center", fontsize=8,
+                  bbox={"facecolor": "white", "edgecolor": "none", "pad": 1}, zorder=3)
+        if b.capacity_gib is not None:  # each config's own GPU: a mark across its bar
+            axes.plot([b.capacity_gib] * 2, [row - 0.42, row + 0.42], color=CAPACITY_COLOUR, linestyle="--",
+                      linewidth=1.5, label=legend)
+            legend = None  # one legend entry
+    axes.set_yticks(list(rows), [b.label for b in bars], fontsize=8)
+    axes.invert_yaxis()  # the first config on top, as in the table
+    axes.set_xlim(0, 1.15 * widest)
+    axes.set_xlabel("GiB per GPU (2^30 bytes), pipeline rank with the largest peak")
+    axes.set_title("megatron-fp4 estimate: peak memory per GPU by part", fontsize=10)
+    figure.legend(loc="outside lower center", ncols=len(PARTS) + 1, fontsize=8)
+    axes.grid(axis="x", alpha=0.3)
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+__all__ = ["Bar", "PARTS", "PlotUnavailable", "bar_of", "matplotlib_figure_class", "plot"]
