@@ -1,6 +1,7 @@
 """`megatron-fp4 estimate`: the subcommand's parser and its run function."""
 
 import argparse
+import sys
 import textwrap
 
 import yaml
@@ -76,8 +77,7 @@ def run(args) -> int:
         try:  # before the estimates, which take a while
             matplotlib_figure_class()
         except PlotUnavailable as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+            return fail(str(err))
     modes = ("recipe", "installed") if args.fp4_memory == "both" else (args.fp4_memory,)
     overrides = dict(args.overrides)
     estimates = []
