@@ -45,9 +45,12 @@ class GemmTiles:
     k_unroll: int = 1
 
 
-# Chosen on H200 at DeepSeek-V3's expert shapes (benchmarks/bench_grouped_gemm.py sweeps them).
-DEFAULT_ROWS_TILES = GemmTiles(block_m=128, block_n=128, num_warps=8, num_stages=4)
-DEFAULT_WGRAD_TILES = GemmTiles(block_m=128, block_n=128, num_warps=8, num_stages=4)
+# The fastest of benchmarks/bench_grouped_gemm.py's sweep on H200 at DeepSeek-V3's expert shapes,
+# 32 and 8 experts (rows in benchmarks/results/grouped_gemm.jsonl): one warpgroup on 64 x 128 tiles
+# leaves room for two or three programs per SM, one scaling its products while another's tensor
+# cores run; 128 x 128 with two warpgroups and two K blocks per step came within 0-25% of it.
+DEFAULT_ROWS_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=4)
+DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=4)
 
 
 @triton.jit
