@@ -51,6 +51,7 @@ class FP4Options:
     saved_input: bool = False
     experts: ExpertsPrecision = ExpertsPrecision.BF16
     telemetry: bool = False
+    weights_per_use: bool = False
 
     def __post_init__(self):
         # Accept the flags' strings; keep the enums.
@@ -121,6 +122,10 @@ FLAGS = (
          "the peak bytes held in FP4 storage (cached payloads, activations saved in MXFP4). The layers read "
          "nothing back from the GPU; the numbers are read once per logged iteration. Off by default: it adds a few "
          "small kernels per MoE layer and micro-batch."),
+    Flag("weights_per_use", "With --moe-fp4-experts fp8: quantize the experts' weights to FP8 at every use instead "
+         "of once per optimizer step. The default keeps two FP8 copies (plain and transposed, 128x128 blocks) of "
+         "each local expert weight from the step's first forward to the next step's, about 2 bytes per weight "
+         "element, and saves every later micro-batch the quantization; this flag gives that memory back."),
 )
 
 
@@ -287,6 +292,9 @@ REFUSALS = (
     Refusal("--moe-fp4-saved-input without --moe-fp4-dispatch",
             lambda o, m, e, r: o.saved_input and not o.dispatch,
             "--moe-fp4-saved-input needs --moe-fp4-dispatch: it keeps the FP4 dispatch's payload."),
+    Refusal("--moe-fp4-weights-per-use without FP8 experts",
+            lambda o, m, e, r: o.weights_per_use and not _fp8_experts(o),
+            "--moe-fp4-weights-per-use needs --moe-fp4-experts fp8: it is about the FP8 experts' weight copies."),
     Refusal("--moe-fp4-telemetry without --moe-fp4-dispatch",
             lambda o, m, e, r: o.telemetry and not o.dispatch,
             "--moe-fp4-telemetry needs --moe-fp4-dispatch: it reports the FP4 dispatch's traffic, error and storage."),

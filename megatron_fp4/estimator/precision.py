@@ -50,8 +50,11 @@ class Precision:
     fp4_cache: bool  # with `moe` recompute, the received MXFP4 payload is kept for the recompute
     grad_wire: str  # format of the dispatch gradient all-to-all: "bf16" or "fp8"
     fp4_expert_input: bool = False  # the experts' saved input (dispatched tokens) kept in MXFP4
-    # Our FP8 experts (installed, --moe-fp4-experts fp8) quantize the routed experts' weights per
-    # use, one linear's experts at a time, where Transformer Engine keeps two FP8 copies for the step.
+    # Our FP8 experts (installed, --moe-fp4-experts fp8) keep two FP8 copies (128x128 blocks) of the
+    # routed experts' weights for the step, as Transformer Engine does for its FP8 GEMMs, also in a
+    # run whose other GEMMs are BF16; with --moe-fp4-weights-per-use they quantize them per use instead,
+    # one linear's experts at a time.
+    fp8_experts_installed: bool = False
     expert_weights_per_use: bool = False
 
     @property
@@ -96,5 +99,7 @@ def precision_of(args, mode: str = "recipe") -> Precision:
         fp4_cache=fp4 and (mode == "recipe" or cache),
         fp4_expert_input=fp4 and (mode == "recipe" or installed_experts or saved_input),
         grad_wire=getattr(args, "moe_fp4_dispatch_grad", "bf16") if fp4 else "bf16",
-        expert_weights_per_use=mode == "installed" and installed_experts,
+        fp8_experts_installed=mode == "installed" and installed_experts,
+        expert_weights_per_use=mode == "installed" and installed_experts
+        and bool(getattr(args, "moe_fp4_weights_per_use", False)),
     )

@@ -4,7 +4,9 @@
   Engine caches each GEMM weight quantized for the step, once row-wise (forward) and once
   column-wise / transposed (data gradient): 2 more FP8 bytes per GEMM weight. With
   `fp8_param_gather` the FP8 copies are the primary weights and the bf16 ones are gone. Our FP8
-  experts (`moe_fp4_experts: fp8`, installed) keep no copy of the routed experts' weights.
+  experts (`moe_fp4_experts: fp8`, installed) keep the same two copies of the routed experts'
+  weights (128x128 blocks), quantized once per optimizer step, in a BF16 run too, unless
+  `moe_fp4_weights_per_use` (then they are transient: activations.py).
 - Gradients: Megatron's DDP accumulates and reduces main gradients in `main_grads_dtype` (fp32 for
   bf16 training: 4 bytes/param), one contiguous buffer.
 - Optimizer (Adam): an fp32 master copy (`main_params_dtype`) and the two moments (`exp_avg_dtype`,
@@ -19,7 +21,7 @@
 from dataclasses import dataclass
 
 from .params import ParamCount
-from .precision import Precision, dtype_bytes
+from .precision import FP8_128X128_BYTES, Precision, dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,12 @@ def optimizer_bytes_per_param(args) -> float:
 def static_memory(args, counts: ParamCount, p: Precision, dp: int, edp: int, workspace: float = 0.0) -> Static:
     weights = counts.total * p.model_bytes
     if p.fp8:
-        # Our FP8 experts keep no FP8 copy of the routed experts' weights (transient, activations.py).
-        gemm = counts.dense_gemm + (0 if p.expert_weights_per_use else counts.expert_gemm)
-        copies = 2 * gemm * p.fp8_weight_bytes
+        gemm = counts.dense_gemm + (0 if p.fp8_experts_installed else counts.expert_gemm)
         if args.fp8_param_gather:
             weights -= gemm * p.model_bytes  # the FP8 copies are the parameters
-        weights += copies
+        weights += 2 * gemm * p.fp8_weight_bytes
+    if p.fp8_experts_installed and not p.expert_weights_per_use:  # megatron_fp4/experts/weight_cache.py
+        weights += 2 * counts.expert_gemm * FP8_128X128_BYTES
     grads = counts.total * dtype_bytes(args.main_grads_dtype)
     per = optimizer_bytes_per_param(args)
     if args.use_distributed_optimizer:

@@ -13,7 +13,7 @@ operands 1x128 along tokens (the column kernels' layout). With Megatron's fused 
 accumulation the wgrad adds its fp32 sums straight into main_grad, as its own linear layers do.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
@@ -44,7 +44,7 @@ class ExpertsCall:
     glu_offset: float
     accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
     backward_follows: bool = True  # False: a no-grad forward (eval, a checkpointed first pass) saves nothing
-    weight_cache: FP8WeightCache = field(default_factory=FP8WeightCache)  # the module's: FP8 weights per step
+    weight_cache: Optional[FP8WeightCache] = None  # the module's FP8 weights for the step; None: per use
     gemms: ExpertGemms = ExpertGemms.GROUPED
     telemetry: Optional[Telemetry] = None  # counts the MXFP4 activations saved for backward
 
@@ -114,10 +114,10 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
         else:
             input_rows = K.quantize_fp8_rows(tokens)
-        fc1_out = _linear_forward(call, input_rows, call.weight_cache.get("fc1", fc1_weights, False), dtype)
+        fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
         del input_rows
         fc2_in = swiglu_with_probs(fc1_out, probs, call.glu_offset, dtype)  # row-wise: all experts at once
-        output = _linear_forward(call, K.quantize_fp8_rows(fc2_in), call.weight_cache.get("fc2", fc2_weights, False),
+        output = _linear_forward(call, K.quantize_fp8_rows(fc2_in), _fp8_weights(call, "fc2", fc2_weights, False),
                                  dtype)
 
         if not call.backward_follows:
@@ -168,7 +168,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
             fc2_in_cols = K.quantize_fp8_cols(saved_fc2_in, counts, check_counts=False)
             fc1_out = saved_fc1_out
         grad_fc2_in, grad_fc2 = _linear_backward(call, grad_output, fc2_in_cols, fc2_weights,
-                                                   call.weight_cache.get("fc2", fc2_weights, True), wgrads)
+                                                   _fp8_weights(call, "fc2", fc2_weights, True), wgrads)
         del fc2_in_cols
         grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
         del fc1_out, grad_fc2_in
@@ -179,7 +179,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         else:
             input_cols = K.quantize_fp8_cols(saved_input, counts, check_counts=False)
         grad_input, grad_fc1 = _linear_backward(call, grad_fc1_out, input_cols, fc1_weights,
-                                                   call.weight_cache.get("fc1", fc1_weights, True), wgrads)
+                                                   _fp8_weights(call, "fc1", fc1_weights, True), wgrads)
         del grad_fc1_out, input_cols
         _release_saved_fp4(ctx)
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
@@ -189,6 +189,12 @@ def _release_saved_fp4(ctx) -> None:
     """Tell the telemetry that the MXFP4 activations forward counted have been used."""
     if ctx.call.telemetry is not None:
         ctx.call.telemetry.release(ctx.fp4_bytes)
+
+
+def _fp8_weights(call: ExpertsCall, name: str, weights, transpose: bool) -> FP8StackedWeights:
+    if call.weight_cache is None:
+        return K.quantize_fp8_weights_stacked(weights, transpose)
+    return call.weight_cache.get(name, weights, transpose)
 
 
 def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:

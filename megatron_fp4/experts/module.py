@@ -35,7 +35,7 @@ class FP8Experts(SequentialMLP):
         self.accumulate_in_main_grad = bool(config.gradient_accumulation_fusion)
         # The MXFP4 rule for the activations these experts save (the payload brings its own).
         self.scale_rule = options.scale_rule
-        self.weight_cache = FP8WeightCache()
+        self.weight_cache = None if options.weights_per_use else FP8WeightCache()
         self.gemms = gemms  # the benchmarks compare both; a spec builds the default
 
     def _run_weight_holders_pre_hooks(self) -> None:

@@ -229,6 +229,28 @@ def test_per_expert_gemms_match_the_grouped_ones(model_parallel, device):
                 assert not ours.any() and not theirs.any(), (e, fc)
 
 
+@pytest.mark.parametrize("per_use", [False, True], ids=["once-per-step", "weights-per-use"])
+def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch, per_use):
+    """Two forwards with the same weights quantize them once (fc1 and fc2), or each time with
+    --moe-fp4-weights-per-use."""
+    from megatron_fp4 import kernels as K
+
+    torch.manual_seed(3)
+    options = FP4Options(experts="fp8", weights_per_use=per_use)
+    experts = FP8Experts(EXPERTS, _config(), _experts_builder("fp8").keywords["submodules"],
+                         pg_collection=model_parallel, options=options).to(device)
+    assert (experts.weight_cache is None) == per_use
+    payload, probs, _ = _inputs(device)
+    calls = []
+    real = K.quantize_fp8_weights_stacked
+    monkeypatch.setattr(K, "quantize_fp8_weights_stacked", lambda *a, **k: calls.append(a[1:]) or real(*a, **k))
+    with torch.no_grad():
+        first, _ = experts(ref.dequantize_mxfp4(payload), torch.tensor(COUNTS), probs, payload=payload)
+        second, _ = experts(ref.dequantize_mxfp4(payload), torch.tensor(COUNTS), probs, payload=payload)
+    assert torch.equal(first, second)
+    assert len(calls) == (4 if per_use else 2)
+
+
 def test_checkpoint_keys_and_shapes_are_sequential_mlps(model_parallel, device):
     ours = _build(model_parallel, device, "fp8")
     megatron = _build(model_parallel, device, "bf16", seed=4)
