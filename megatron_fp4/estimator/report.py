@@ -9,8 +9,9 @@ from .core import GIB, Estimate
 # The two memory rows of an fp4 config (the table's note and `estimate --help` say it alike).
 FP4_MEMORY_ROWS = ("'recipe' = the paper's FP4 recipe (expert activations kept in MXFP4, dispatch cached for `moe` "
                    "recompute); 'installed' = what the config's flags switch on in this package (MXFP4 on the wire; "
-                   "with --moe-fp4-experts fp8 the expert activations in MXFP4 and no cached FP8 copies of the "
-                   "expert weights, else the baseline's; the dispatch cache only with --moe-fp4-cache).")
+                   "with --moe-fp4-experts fp8 the expert activations in MXFP4 and two FP8 copies of the expert "
+                   "weights for the step, none with --moe-fp4-weights-per-use, else the baseline's; the dispatch "
+                   "cache only with --moe-fp4-cache).")
 COLUMNS = ("config", "prec", "fp4 memory", "recompute", "weights", "grads", "optim", "activ", "transient",
            "peak GiB", "% GPU", "fits", "a2a GB/step")
 
