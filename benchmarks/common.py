@@ -106,15 +106,21 @@ def permuted_tokens_and_splits(layer, x):
 
 
 def start_expert_parallel(args, bench: str, what: str):
-    """NCCL on this torchrun rank's GPU, Megatron's parallel state with EP = all GPUs, the seed;
-    returns (rank, world size, a print that only rank 0 shows, the run's Recorder), after printing
-    the run's header."""
+    """NCCL on this torchrun rank's GPU (launched without torchrun: one rank, EP 1; gloo where CUDA
+    is absent, i.e. the CPU tests' emulation), Megatron's parallel state with EP = all GPUs, the
+    seed; returns (rank, world size, a print that only rank 0 shows, the run's Recorder), after
+    printing the run's header."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    backend = {"backend": "nccl", "device_id": torch.device("cuda", local_rank)} if torch.cuda.is_available() \
+        else {"backend": "gloo"}
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group(**backend)
+    else:
+        dist.init_process_group(**backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.experts % world:
         raise SystemExit(f"--experts {args.experts} must be divisible by the number of GPUs ({world})")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything this repo checks on GPUs, in one go (a device session is short; about 9 minutes on
 # 2 x H200): the GPU-marked tests plus the device-agnostic kernel and FP8-experts tests on CUDA,
-# the kernel benchmark at 16384 x 7168, the MoE layer benchmark (stock vs FP4 dispatch and the four
-# expert configurations), the recompute-cache benchmark, the telemetry's cost, a per-kernel profile of the FP4 +
+# the kernel benchmark at 16384 x 7168, the grouped expert GEMMs, the MoE layer benchmark on one GPU (EP 1:
+# the five expert configurations, the torch._grouped_mm peer among them) and over all GPUs (stock vs FP4
+# dispatch and the five expert configurations), the recompute-cache benchmark, the telemetry's cost, a per-kernel profile of the FP4 +
 # FP8-experts layer, and a proxy training run with FP8 experts through the README's command.
 # Prints a short summary. The benchmarks append their rows to benchmarks/results/*.jsonl, or to
 # $MEGATRON_FP4_BENCH_RESULTS (on the device machine: a folder under $OUT, so that they come back);
@@ -11,8 +12,8 @@
 # e.g. the patch tests, downloads from the registry, which the device machines cannot reach.)
 #
 #   benchmarks/gpu_checks.sh               # on a machine with 1+ GPUs, from anywhere
-# Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_grouped_gemm bench_moe_layer
-# bench_moe_cache bench_telemetry profile_fp4_fp8 profile_cache memcap_capped train_proxy; default all) to split the
+# Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_grouped_gemm moe_layer_1gpu
+# bench_moe_layer bench_moe_cache bench_telemetry profile_fp4_fp8 profile_cache memcap_capped train_proxy; default all) to split the
 # work over two device calls,
 # e.g. CHECKS="bench_moe_cache profile_fp4_fp8 train_proxy" TRAIN_ITERS=200; TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
 # MEMCAP_CONFIGS (memcap_bf16_attn memcap_fp4_fp8_attn): the configs/proxy/ names run under their cap;
@@ -45,6 +46,9 @@ step experts_tests python3 -m pytest -q -p no:warnings -s tests/integration/test
     tests/ops/test_swiglu.py tests/ops/test_kernels.py tests/ops/test_grouped_gemm.py
 step bench_kernels python3 -m benchmarks.bench_kernels --sizes 16384x7168 --no-baseline
 step bench_grouped_gemm python3 -m benchmarks.bench_grouped_gemm
+# EP 1 on the first GPU (no torchrun), DeepSeek-V3 layer dimensions, 32 experts (five layers: weights
+# and gradients about 28 GB).
+step moe_layer_1gpu python3 -m benchmarks.bench_moe_layer --experts 32
 if ((GPUS >= 2)); then
     EXPERTS=${BENCH_EXPERTS:-$((8 * GPUS))}
     step bench_moe_layer torchrun --standalone --nproc-per-node "$GPUS" -m benchmarks.bench_moe_layer --experts "$EXPERTS"
