@@ -56,6 +56,9 @@ HOST_STEPS = 5  # steps timed for the host time, at most --iters
 def parse_args(argv):
     p = layer_options(__doc__)
     p.add_argument("--no-experts-table", action="store_true", help="skip the five-layer experts comparison")
+    p.add_argument("--gemm-variants", action="store_true",
+                   help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT) and with "
+                   "their weights quantized per use (--moe-fp4-weights-per-use)")
     return p.parse_args(argv)
 
 
@@ -165,6 +168,11 @@ GROUPED_MM = "BF16 dispatch + BF16 experts on torch._grouped_mm"
 FP8_BASELINE = "FP8 baseline (BF16 dispatch, our FP8 experts)"
 FP4_BF16 = "FP4 dispatch + BF16 experts"
 FP4_FP8 = "FP4 dispatch + FP8 experts"
+# The same two FP8 layers with one cuBLASLt scaled_mm per expert instead of the grouped kernels, and
+# FP4 + FP8 quantizing its weights at every use instead of once per step.
+FP8_BASELINE_PER_EXPERT = "FP8 baseline, per-expert scaled_mm"
+FP4_FP8_PER_EXPERT = "FP4 dispatch + FP8 experts, per-expert scaled_mm"
+FP4_FP8_WEIGHTS_PER_USE = "FP4 dispatch + FP8 experts, weights quantized per use"
 GROUPED_MM_AGREES = 2e-2  # relative error bound of the peer's output and input gradient against stock
 
 
@@ -181,7 +189,20 @@ def experts_layers(args, config, stock, fp4) -> dict:
     fp4_fp8 = build_moe_layer(config, FP4Options(dispatch=True, dispatch_grad=args.grad, experts="fp8")).cuda()
     baseline.load_state_dict(stock.state_dict())
     fp4_fp8.load_state_dict(stock.state_dict())
-    return {STOCK: stock, GROUPED_MM: grouped, FP8_BASELINE: baseline, FP4_BF16: fp4, FP4_FP8: fp4_fp8}
+    layers = {STOCK: stock, GROUPED_MM: grouped, FP8_BASELINE: baseline, FP4_BF16: fp4, FP4_FP8: fp4_fp8}
+    if args.gemm_variants:
+        from megatron_fp4.experts import ExpertGemms
+
+        per_use = FP4Options(dispatch=True, dispatch_grad=args.grad, experts="fp8", weights_per_use=True)
+        for name, options, gemms in ((FP8_BASELINE_PER_EXPERT, FP4Options(experts="fp8"), ExpertGemms.PER_EXPERT),
+                                     (FP4_FP8_PER_EXPERT, FP4Options(dispatch=True, dispatch_grad=args.grad,
+                                                                     experts="fp8"), ExpertGemms.PER_EXPERT),
+                                     (FP4_FP8_WEIGHTS_PER_USE, per_use, ExpertGemms.GROUPED)):
+            layer = build_moe_layer(config, options).cuda()
+            layer.load_state_dict(stock.state_dict())
+            layer.experts.gemms = gemms
+            layers[name] = layer
+    return layers
 
 
 def check_against_stock(layers: dict, x, grad, log) -> dict:

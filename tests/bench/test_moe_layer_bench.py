@@ -84,7 +84,8 @@ def test_gpu_busy_time_is_the_union_of_the_device_intervals():
     assert bench.busy_ms([(5, 8), (0, 2), (1, 3), (10, 12), (12, 13), (6, 7)]) == 3 + 3 + 3
 
 
-CASES = (bench.STOCK, bench.GROUPED_MM, bench.FP8_BASELINE, bench.FP4_BF16, bench.FP4_FP8)
+CASES = (bench.STOCK, bench.GROUPED_MM, bench.FP8_BASELINE, bench.FP4_BF16, bench.FP4_FP8,
+         bench.FP8_BASELINE_PER_EXPERT, bench.FP4_FP8_PER_EXPERT, bench.FP4_FP8_WEIGHTS_PER_USE)
 EVERY_CASE = {"layer forward+backward", "host time (wall - GPU busy)", "saved for backward",
               "experts GEMM rate over the layer time"}
 
@@ -93,7 +94,7 @@ def test_the_layer_benchmark_runs_every_variant_at_ep1_and_writes_rows(tmp_path)
     env = dict(os.environ, MEGATRON_FP4_BENCH_RESULTS=str(tmp_path), MEGATRON_FP4_COMMIT="abc1234",
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
     shape = ["--hidden", "128", "--ffn", "128", "--experts", "2", "--topk", "2", "--tokens", "16",
-             "--iters", "1", "--warmup", "0"]
+             "--iters", "1", "--warmup", "0", "--gemm-variants"]
     run = subprocess.run([sys.executable, "-m", "support.layer_bench_on_cpu", *shape], cwd=ROOT / "tests", env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
