@@ -40,9 +40,9 @@ class GemmTiles:
     num_warps: int
     num_stages: int
     group_m: int = 8
-    # K blocks per loop step (1 or 2): with 2, the second block's tensor-core product can run while
-    # the first one is scaled into the accumulator.
-    k_unroll: int = 1
+    # 1 or 2: with 2 the program's rows are two tiles of block_m / 2 that share each B tile, so
+    # that a program loads fewer bytes per FLOP while one tensor-core product at a time is live.
+    row_halves: int = 1
 
 
 # The fastest of benchmarks/bench_grouped_gemm.py's sweep on H200 at DeepSeek-V3's expert shapes,
@@ -81,26 +81,10 @@ def _swizzled(pid, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _promoted_blocks(acc, a_tile, b_tile, a_scale, a_scale_step, b_scale, b_scale_step, BLOCKS: tl.constexpr,
-                     BLOCK_K: tl.constexpr, B_SCALE_PER_COLUMN: tl.constexpr):
-    """acc + the products of the next BLOCKS (1 or 2) K blocks, each scaled by its row scales times
-    its B scale (one per tile, or one per column) in fp32: DeepSeek's promotion."""
-    a0 = tl.load(a_tile)
-    b0 = tl.load(b_tile)
-    sa0 = tl.load(a_scale)
-    sb0 = tl.load(b_scale)
-    if BLOCKS == 2:
-        a1 = tl.load(a_tile + BLOCK_K)
-        b1 = tl.load(b_tile + BLOCK_K)
-        sa1 = tl.load(a_scale + a_scale_step)
-        sb1 = tl.load(b_scale + b_scale_step)
-        product0 = tl.dot(a0, b0)
-        product1 = tl.dot(a1, b1)
-        acc = _scaled_add(acc, product0, sa0, sb0, B_SCALE_PER_COLUMN)
-        acc = _scaled_add(acc, product1, sa1, sb1, B_SCALE_PER_COLUMN)
-    else:
-        acc = _scaled_add(acc, tl.dot(a0, b0), sa0, sb0, B_SCALE_PER_COLUMN)
-    return acc
+def _promoted(acc, a_tile, b, a_scale, b_scale, B_SCALE_PER_COLUMN: tl.constexpr):
+    """acc + the tensor-core product of the A tile at a_tile and the loaded B tile, scaled by the A
+    rows' scales times the B scale (one per tile, or one per column) in fp32: DeepSeek's promotion."""
+    return _scaled_add(acc, tl.dot(tl.load(a_tile), b), tl.load(a_scale), b_scale, B_SCALE_PER_COLUMN)
 
 
 @triton.jit
@@ -131,36 +115,47 @@ def _grouped_gemm_rows_kernel(
     BLOCK_N: tl.constexpr,  # 128: one weight block
     BLOCK_K: tl.constexpr,  # 128: one scale step
     GROUP_M: tl.constexpr,
-    K_UNROLL: tl.constexpr,
+    ROW_HALVES: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
+    SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
     num_tiles_n: tl.constexpr = N // BLOCK_N
     tile_m, tile_n = _swizzled(tl.program_id(0), num_tiles_m, num_tiles_n, GROUP_M)
     expert, first_row, end_row = _tile_of_expert(offsets_ptr, num_experts, tile_m, EXPERTS_POW2, BLOCK_M)
     if expert < num_experts:
-        rows = first_row + tl.arange(0, BLOCK_M)
+        rows = first_row + tl.arange(0, SUB_M)
         # Rows past the expert's end belong to the next expert (or are past M): their products are
         # computed and never stored, so only the end of the tensor masks the loads.
-        load_rows = tl.minimum(rows, num_rows - 1).to(tl.int64)
+        top = tl.minimum(rows, num_rows - 1).to(tl.int64)
+        bottom = tl.minimum(rows + SUB_M, num_rows - 1).to(tl.int64)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         expert64 = expert.to(tl.int64)
-        a_tile = a_ptr + load_rows[:, None] * K + ks[None, :]
+        a_top = a_ptr + top[:, None] * K + ks[None, :]
+        a_bottom = a_ptr + bottom[:, None] * K + ks[None, :]
         b_tile = b_ptr + expert64 * N * K + cols[None, :].to(tl.int64) * K + ks[:, None]
-        a_scale = a_scales_ptr + load_rows
+        a_scale_top = a_scales_ptr + top
+        a_scale_bottom = a_scales_ptr + bottom
         # BLOCK_N is one weight block: one B scale per K block.
         b_scale = b_scales_ptr + (expert64 * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(K // BLOCK_K // K_UNROLL):
-            acc = _promoted_blocks(acc, a_tile, b_tile, a_scale, num_rows, b_scale, 1, K_UNROLL, BLOCK_K, False)
-            a_tile += K_UNROLL * BLOCK_K
-            b_tile += K_UNROLL * BLOCK_K
-            a_scale += K_UNROLL * num_rows
-            b_scale += K_UNROLL
-        if (K // BLOCK_K) % K_UNROLL:
-            acc = _promoted_blocks(acc, a_tile, b_tile, a_scale, num_rows, b_scale, 1, 1, BLOCK_K, False)
-        out_rows = rows.to(tl.int64)
-        store_rounded(c_ptr + out_rows[:, None] * N + cols[None, :], acc, (rows < end_row)[:, None], OUT_BF16)
+        acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+        acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(K // BLOCK_K):
+            b = tl.load(b_tile)
+            sb = tl.load(b_scale)
+            acc_top = _promoted(acc_top, a_top, b, a_scale_top, sb, False)
+            if ROW_HALVES == 2:
+                acc_bottom = _promoted(acc_bottom, a_bottom, b, a_scale_bottom, sb, False)
+            a_top += BLOCK_K
+            a_bottom += BLOCK_K
+            b_tile += BLOCK_K
+            a_scale_top += num_rows
+            a_scale_bottom += num_rows
+            b_scale += 1
+        out = c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        store_rounded(out, acc_top, (rows < end_row)[:, None], OUT_BF16)
+        if ROW_HALVES == 2:
+            store_rounded(out + SUB_M * N, acc_bottom, (rows + SUB_M < end_row)[:, None], OUT_BF16)
 
 
 @triton.jit
@@ -178,33 +173,49 @@ def _grouped_wgrad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # 128: one scale step (one block of tokens)
     GROUP_M: tl.constexpr,
-    K_UNROLL: tl.constexpr,
+    ROW_HALVES: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # add into fp32 buffers (Megatron's main_grad) instead of writing c
     OUT_BF16: tl.constexpr,
 ):
+    SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
     tiles_per_expert: tl.constexpr = (N // BLOCK_M) * (K // BLOCK_N)
     expert = tl.program_id(0) // tiles_per_expert
     tile_m, tile_n = _swizzled(tl.program_id(0) % tiles_per_expert, N // BLOCK_M, K // BLOCK_N, GROUP_M)
     # Segments start at multiples of 128 columns: said to the compiler, for 16-byte async copies.
     first_col = tl.multiple_of(tl.load(offsets_ptr + expert), BLOCK_K)
     end_col = tl.load(offsets_ptr + expert + 1)
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tile_m * BLOCK_M + tl.arange(0, SUB_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = first_col + tl.arange(0, BLOCK_K)
-    a_tile = a_ptr + rows[:, None].to(tl.int64) * row_stride + tokens[None, :]
+    a_top = a_ptr + rows[:, None].to(tl.int64) * row_stride + tokens[None, :]
+    a_bottom = a_top + SUB_M * row_stride
     b_tile = b_ptr + cols[None, :].to(tl.int64) * row_stride + tokens[:, None]
-    a_scale = a_scales_ptr + (first_col // BLOCK_K) * N + rows
+    a_scale_top = a_scales_ptr + (first_col // BLOCK_K) * N + rows
+    a_scale_bottom = a_scale_top + SUB_M
     b_scale = b_scales_ptr + (first_col // BLOCK_K) * K + cols
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    token_blocks = (end_col - first_col) // BLOCK_K
-    for _ in range(token_blocks // K_UNROLL):
-        acc = _promoted_blocks(acc, a_tile, b_tile, a_scale, N, b_scale, K, K_UNROLL, BLOCK_K, True)
-        a_tile += K_UNROLL * BLOCK_K
-        b_tile += K_UNROLL * BLOCK_K
-        a_scale += K_UNROLL * N
-        b_scale += K_UNROLL * K
-    if token_blocks % K_UNROLL:
-        acc = _promoted_blocks(acc, a_tile, b_tile, a_scale, N, b_scale, K, 1, BLOCK_K, True)
+    acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+    acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+    for _ in range((end_col - first_col) // BLOCK_K):
+        b = tl.load(b_tile)
+        sb = tl.load(b_scale)
+        acc_top = _promoted(acc_top, a_top, b, a_scale_top, sb, True)
+        if ROW_HALVES == 2:
+            acc_bottom = _promoted(acc_bottom, a_bottom, b, a_scale_bottom, sb, True)
+        a_top += BLOCK_K
+        a_bottom += BLOCK_K
+        b_tile += BLOCK_K
+        a_scale_top += N
+        a_scale_bottom += N
+        b_scale += K
+    _store_wgrad(c_ptr, expert, rows, cols, acc_top, N, K, ACCUMULATE, OUT_BF16)
+    if ROW_HALVES == 2:
+        _store_wgrad(c_ptr, expert, rows + SUB_M, cols, acc_bottom, N, K, ACCUMULATE, OUT_BF16)
+
+
+@triton.jit
+def _store_wgrad(c_ptr, expert, rows, cols, acc, N: tl.constexpr, K: tl.constexpr, ACCUMULATE: tl.constexpr,
+                 OUT_BF16: tl.constexpr):
+    """One tile of expert `expert`'s weight gradient: written, or added to its fp32 buffer."""
     within = rows[:, None].to(tl.int64) * K + cols[None, :]
     if ACCUMULATE:
         out = tl.load(c_ptr + expert).to(tl.pointer_type(tl.float32)) + within
@@ -214,8 +225,8 @@ def _grouped_wgrad_kernel(
 
 
 def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
-    if tiles.block_n != FP8_BLOCK or tiles.k_unroll not in (1, 2):
-        raise ValueError(f"{name}: block_n must be {FP8_BLOCK} (one weight block) and k_unroll 1 or 2, got {tiles}")
+    if tiles.block_n != FP8_BLOCK or tiles.row_halves not in (1, 2):
+        raise ValueError(f"{name}: block_n must be {FP8_BLOCK} (one weight block) and row_halves 1 or 2, got {tiles}")
     if n % FP8_BLOCK or k % FP8_BLOCK:
         raise ValueError(f"{name}: N {n} and K {k} must be multiples of {FP8_BLOCK}")
 
@@ -245,7 +256,7 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
         num_rows, num_experts, num_tiles_m,
         N=n, K=k, B_SCALE_STRIDE=weights.block_scales.shape[2], EXPERTS_POW2=triton.next_power_of_2(num_experts),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
-        K_UNROLL=tiles.k_unroll, OUT_BF16=out_dtype == torch.bfloat16,
+        ROW_HALVES=tiles.row_halves, OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -283,7 +294,7 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
         grad_cols.data, grad_cols.block_scales, input_cols.data, input_cols.block_scales, offsets, target,
         capacity, N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK,
-        GROUP_M=tiles.group_m, K_UNROLL=tiles.k_unroll, ACCUMULATE=accumulate_into is not None,
+        GROUP_M=tiles.group_m, ROW_HALVES=tiles.row_halves, ACCUMULATE=accumulate_into is not None,
         OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -324,13 +335,13 @@ def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
                     "num_tiles_m": "i32"},
                    {"N": n, "K": k, "B_SCALE_STRIDE": padded_scale_columns(k), "EXPERTS_POW2": EXPERTS_POW2,
                     "BLOCK_M": rows_tiles.block_m, "BLOCK_N": rows_tiles.block_n, "BLOCK_K": FP8_BLOCK,
-                    "GROUP_M": rows_tiles.group_m, "K_UNROLL": rows_tiles.k_unroll, "OUT_BF16": True},
+                    "GROUP_M": rows_tiles.group_m, "ROW_HALVES": rows_tiles.row_halves, "OUT_BF16": True},
                    rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n),
         KernelSpec("grouped_wgrad", _grouped_wgrad_kernel,
                    {"a_ptr": "*fp8e4nv", "a_scales_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scales_ptr": "*fp32",
                     "offsets_ptr": "*i64", "c_ptr": "*i64", "row_stride": "i32"},
                    {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
-                    "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "K_UNROLL": wgrad_tiles.k_unroll,
+                    "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ROW_HALVES": wgrad_tiles.row_halves,
                     "ACCUMULATE": True, "OUT_BF16": False},
                    wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n),
     ]
