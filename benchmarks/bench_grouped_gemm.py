@@ -35,10 +35,10 @@ from benchmarks.rows import Recorder
 
 HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768
 
-ROWS_SWEEP = [DEFAULT_ROWS_TILES] + [GemmTiles(m, 128, w, stages, 8, halves) for m, w, stages, halves in [
-    (128, 4, 3, 2), (128, 4, 4, 2), (128, 8, 3, 2), (256, 8, 3, 2), (64, 4, 3, 1)]]
-WGRAD_SWEEP = [DEFAULT_WGRAD_TILES] + [GemmTiles(m, 128, w, stages, 8, halves) for m, w, stages, halves in [
-    (128, 4, 3, 2), (128, 4, 4, 2), (256, 8, 3, 2)]]
+ROWS_SWEEP = [DEFAULT_ROWS_TILES] + [GemmTiles(m, 128, w, stages, group, halves) for m, w, stages, group, halves in [
+    (128, 4, 2, 8, 2), (128, 4, 3, 4, 2), (128, 4, 3, 16, 2), (64, 4, 4, 8, 1)]]
+WGRAD_SWEEP = [DEFAULT_WGRAD_TILES] + [GemmTiles(m, 128, w, stages, group, halves) for m, w, stages, group, halves in [
+    (64, 4, 3, 8, 1), (64, 4, 5, 8, 1), (64, 4, 4, 4, 1), (128, 4, 2, 8, 2)]]
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
