@@ -1,16 +1,19 @@
 """Each Triton kernel equals the reference bit for bit. On CI this runs the kernels' own code under
 TRITON_INTERPRET=1; on a GPU machine the same tests run compiled on CUDA."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
 from megatron_fp4.formats import mxfp4_wire_bytes_per_row
+from megatron_fp4.kernels.mxfp4_to_fp8 import DEFAULT_ROWS_CONFIG
 from megatron_fp4.tensors import MXFP4Tensor
 
-from support.inputs import assert_same_bits, assert_same_fp8, assert_same_mxfp4, hard_input, random_input
-from test_reference import exhaustive_conversion_cases
+from support.inputs import (assert_same_bits, assert_same_fp8, assert_same_mxfp4, every_code_at_every_gap, hard_input,
+                            random_input)
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -59,9 +62,13 @@ def test_dequantize_mxfp4_every_code_and_scale(device):
 
 @pytest.mark.parametrize("top_byte", [200, 30, 5])
 def test_fp4_to_fp8_rows_exhaustive(device, top_byte):
-    q = exhaustive_conversion_cases(top_byte, min(30, top_byte))
+    # Every code at every gap, one (gap, sign) per row and one row per program: each row takes the
+    # fast path or the exact one (gaps over 11) by itself, as each single-gap tile of eight
+    # single-code rows did in the default tiling (which the other tests run).
+    q = every_code_at_every_gap(top_byte, min(30, top_byte))
     q = MXFP4Tensor(q.rows.to(device), q.hidden)
-    assert_same_fp8(mf.mxfp4_to_fp8_rows(q), ref.mxfp4_to_fp8_rows(q))
+    one_row = dataclasses.replace(DEFAULT_ROWS_CONFIG, block_rows=1)
+    assert_same_fp8(mf.mxfp4_to_fp8_rows(q, one_row), ref.mxfp4_to_fp8_rows(q))
 
 
 @pytest.mark.parametrize("scale_rule", ["ceil", "floor"])

@@ -8,6 +8,7 @@ megatron.core.dist_checkpointing the way Megatron's training loop does it.
 "Plugin" is FP4 dispatch + FP8 experts; "stock" the same spec without them (SequentialMLP,
 Megatron's alltoall dispatcher)."""
 
+import json
 import os
 import time
 
@@ -147,42 +148,69 @@ def log(*what):
     print(f"[{time.strftime('%X')}] rank {dist.get_rank()}:", *what, flush=True)
 
 
-def _save_and_continue(saver_plugin: bool, loader_plugin: bool, directory: str):
-    """The saver trains SAVE_AT steps, saves, and goes on to LAST; the loader (another init)
-    loads that checkpoint and trains the same steps. Checks that the weights and the optimizer
-    state come through bit for bit; returns both runs and their losses after the save."""
+def _save_and_continue(saver_plugin: bool, loader_plugins, directory: str):
+    """The saver trains SAVE_AT steps, saves, and goes on to LAST; each loader (another init, one
+    per entry of loader_plugins) loads that checkpoint and trains the same steps. Returns the saver,
+    its losses after the save and, per loader, (loader, its losses after the load, what did not come
+    through the checkpoint bit for bit). Nothing is asserted here: every rank runs every step (the
+    steps communicate) before any check can stop one."""
     saver = Run(plugin=saver_plugin, seed=1)
     for step in range(SAVE_AT):
         saver.step(step)
     saver.save(directory)
     saved_parameters, saved_state = saver.parameters(), saver.optimizer_state()
     continued = torch.stack([saver.step(step) for step in range(SAVE_AT, LAST)])
+    loaders = []
+    for loader_plugin in loader_plugins:
+        loader = Run(plugin=loader_plugin, seed=2)
+        loader.load(directory)
+        lost = [f"{what} changed through the checkpoint: {differing[:4]} of {len(differing)}"
+                for what, differing in (("weights", _differing(saved_parameters, loader.parameters())),
+                                        ("optimizer state", _differing(saved_state, loader.optimizer_state())))
+                if differing]
+        resumed = torch.stack([loader.step(step) for step in range(SAVE_AT, LAST)])
+        log(f"losses after the save: saver {continued.tolist()}, loader (plugin {loader_plugin}) {resumed.tolist()}")
+        loaders.append((loader, resumed, lost))
+    return saver, continued, loaders
 
-    loader = Run(plugin=loader_plugin, seed=2)
-    loader.load(directory)
-    assert not _differing(saved_parameters, loader.parameters()), "weights changed through the checkpoint"
-    assert not _differing(saved_state, loader.optimizer_state()), "optimizer state changed through the checkpoint"
-    resumed = torch.stack([loader.step(step) for step in range(SAVE_AT, LAST)])
-    log(f"losses after the save: saver {continued.tolist()}, loader {resumed.tolist()}")
-    return saver, loader, continued, resumed
 
-
-def cross_load(saver_plugin: bool, directory: str) -> None:
-    _, _, continued, resumed = _save_and_continue(saver_plugin, not saver_plugin, directory)
+def _cross_load_problems(continued, resumed, lost) -> list:
     difference = (continued - resumed).abs()
     # Measured (bounds twice that): plugin -> stock 1.46e-4 then 1.56e-4, stock -> plugin 5.7e-5
     # then 2.86e-4 (losses ~6.38, 6.33; a step moves them by ~0.05). The first step after the load has the
     # same weights on both sides: only the FP4 dispatch / FP8 experts' rounding differs; after
     # that the updates differ too.
-    assert difference[0] <= FIRST_STEP_BOUND and difference.max() <= LATER_STEP_BOUND, (
-        f"losses after the load {resumed.tolist()} vs the saver's {continued.tolist()}")
+    if not (difference[0] <= FIRST_STEP_BOUND and difference.max() <= LATER_STEP_BOUND):
+        lost = lost + [f"losses after the load {resumed.tolist()} vs the saver's {continued.tolist()}"]
+    return lost
 
 
-def resume(directory: str) -> None:
-    saver, loader, continued, resumed = _save_and_continue(True, True, directory)
-    assert torch.equal(continued, resumed), f"resumed losses {resumed.tolist()} != uninterrupted {continued.tolist()}"
-    assert not _differing(saver.parameters(), loader.parameters()), "resumed weights differ"
-    assert not _differing(saver.optimizer_state(), loader.optimizer_state()), "resumed optimizer state differs"
+def _resume_problems(saver, continued, loader, resumed, lost) -> list:
+    if not torch.equal(continued, resumed):
+        lost = lost + [f"resumed losses {resumed.tolist()} != uninterrupted {continued.tolist()}"]
+    if _differing(saver.parameters(), loader.parameters()):
+        lost = lost + ["resumed weights differ"]
+    if _differing(saver.optimizer_state(), loader.optimizer_state()):
+        lost = lost + ["resumed optimizer state differs"]
+    return lost
+
+
+def cross_load(saver_plugin: bool, directory: str) -> None:
+    _, continued, [(_, resumed, lost)] = _save_and_continue(saver_plugin, [not saver_plugin], directory)
+    problems = _cross_load_problems(continued, resumed, lost)
+    assert not problems, "; ".join(problems)
+
+
+def plugin_saver(results: str, directory: str) -> None:
+    """resume and cross_load(saver_plugin=True) from one plugin saver (its steps, the most costly
+    part, once): a plugin loader and a stock loader of the same checkpoint. Writes this rank's
+    problems by scenario, as JSON, to results/rank<R>.json; asserts nothing."""
+    saver, continued, [(plugin, plugin_resumed, plugin_lost), (_, stock_resumed, stock_lost)] = _save_and_continue(
+        True, [True, False], directory)
+    problems = {"resume": _resume_problems(saver, continued, plugin, plugin_resumed, plugin_lost),
+                "cross_load": _cross_load_problems(continued, stock_resumed, stock_lost)}
+    with open(os.path.join(results, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(problems, f)
 
 
 class GroupedLinearLikeTE(torch.nn.Module):
@@ -260,7 +288,7 @@ def bucket_format(directory: str) -> None:
     assert not differing, f"fully reshardable: state differs after load: {differing[:6]} of {len(differing)}"
 
 
-SCENARIOS = {"cross_load": cross_load, "resume": resume, "bucket_format": bucket_format}
+SCENARIOS = {"cross_load": cross_load, "plugin_saver": plugin_saver, "bucket_format": bucket_format}
 
 
 def run(rank: int, scratch: str, name: str, *arguments) -> None:

@@ -36,6 +36,21 @@ def hard_input(rows: int, cols: int, dtype: torch.dtype, seed: int, device="cpu"
     return x.to(dtype).to(device)
 
 
+def every_code_at_every_gap(top_byte: int, max_gap: int) -> MXFP4Tensor:
+    """One 128-wide group per (gap, sign), gap 0..max_gap: block 0 holds code 7 at byte top_byte,
+    block 1 the eight E2M1 codes of that sign (four times each) at top_byte - gap, blocks 2-3 are
+    zero blocks (byte 0). Every code meets every gap, each row a single gap and sign."""
+    rows = []
+    for gap in range(max_gap + 1):
+        for sign in (0, 8):
+            codes = torch.arange(sign, sign + 8, dtype=torch.uint8).repeat_interleave(2)  # 16 bytes
+            data = torch.zeros(64, dtype=torch.uint8)
+            data[:16] = 0x77
+            data[16:32] = codes | (codes << 4)
+            rows.append((data, torch.tensor([top_byte, top_byte - gap, 0, 0], dtype=torch.uint8)))
+    return MXFP4Tensor.from_parts(torch.stack([d for d, _ in rows]), torch.stack([s for _, s in rows]))
+
+
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit-for-bit equality, except that any NaN equals any NaN (payloads may differ)."""
     assert actual.shape == expected.shape, (actual.shape, expected.shape)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 # (tensor parallel, expert parallel, gradient format, shared-expert overlap)
 LAYOUTS = [(1, 2, "bf16", False), (1, 2, "fp8", False), (1, 2, "bf16", True), (2, 1, "bf16", False), (2, 1, "fp8", False)]
 HIDDEN, EXPERTS, TOPK, TOKENS_PER_RANK = 1024, 8, 4, 1024
+FFN = 512  # the routed experts' and the shared expert's
 
 
 class _RoundToMXFP4(torch.autograd.Function):
@@ -82,7 +83,7 @@ def _config(tp, ep, overlap, **extra):
     return TransformerConfig(
         **{"num_layers": 1, **extra},
         hidden_size=HIDDEN, num_attention_heads=8, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-        moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=512, moe_shared_expert_overlap=overlap,
+        moe_ffn_hidden_size=FFN, moe_shared_expert_intermediate_size=FFN, moe_shared_expert_overlap=overlap,
         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
@@ -438,8 +439,11 @@ SCENARIOS = {
 
 
 # Under the CPU emulation the Triton interpreter is slow: the scenarios' sizes reduced (the logic
-# is the same).
-EMULATED_SIZES = {"TOKENS_PER_RANK": 128, "HIDDEN": 256}
+# is the same): still two 128-groups of hidden (eight MXFP4 blocks), two FP8 blocks of FFN on fc1's
+# output and one on fc2's input, several local experts per rank (EP 2: 2, EP 1: 4) whose token
+# segments fill part of a 128-token column block, micro-batches of 32 x 2 tokens. The version
+# matrix (tests/versions/worker.py) runs at the same sizes.
+EMULATED_SIZES = {"TOKENS_PER_RANK": 64, "HIDDEN": 256, "EXPERTS": 4, "TOPK": 2, "FFN": 128}
 
 
 def run_scenario(rank: int, scratch: str, name: str, emulated: bool) -> None:

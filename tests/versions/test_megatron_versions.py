@@ -2,7 +2,9 @@
 start-up check accepts) runs forward + backward of the FP4 MoE layer with each feature, on CPU
 (torch.cuda emulated, one gloo pair = EP 2), against that release's own wheel installed by .ci/run
 into .megatron-versions/<version>/. One pytest item per (version, scenario), e.g.
-`pytest tests/versions -k "0.18.2 and cache"`. What each scenario checks: tests/versions/worker.py."""
+`pytest tests/versions -k "0.18.2 and cache"`; one process pair per version runs the scenarios
+selected for it, one after the other (start-up and imports once per version, not per scenario).
+What each scenario checks: tests/versions/worker.py."""
 
 import json
 import os
@@ -22,7 +24,7 @@ VERSIONS = [line.strip() for line in (HERE / "megatron_versions.txt").read_text(
             if line.strip() and not line.startswith("#")]
 
 # name: (worker check and its arguments, timeout in seconds). Every layer has a shared expert (no
-# overlap unless named); features share an item where that costs one layer, not one process pair.
+# overlap unless named); features share an item where that costs one layer.
 SCENARIOS = {
     "dispatch-bf16-ceil-saved-input": ({"check": "dispatch", "saved_input": True}, 180),
     "dispatch-fp8-floor-shared-overlap": (
@@ -44,28 +46,50 @@ def _version_folder(version: str) -> Path:
     return folder
 
 
-def _run_pair(folder: Path, version: str, scenario: dict, timeout_s: int):
-    """Both ranks as fresh processes; (return codes, outputs). Killed after timeout_s."""
+def _run_pair(folder: Path, version: str, scenarios: dict, timeout_s: int):
+    """Both ranks as fresh processes running `scenarios` (name: the worker's check and arguments);
+    (return codes, outputs). Killed after timeout_s."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)  # the worker puts the version folder first itself
     with tempfile.TemporaryDirectory() as tmp:
         commands = [[sys.executable, str(HERE / "worker.py"), str(r), str(WORLD), str(Path(tmp) / "init"), str(folder),
-                     version, json.dumps(scenario)] for r in range(WORLD)]
+                     version, json.dumps(scenarios)] for r in range(WORLD)]
         return run_ranks(commands, ROOT, env, timeout_s)
+
+
+@pytest.fixture(scope="module")
+def version_runs(request):
+    """version -> (return codes, outputs) of the one process pair that runs, for that version,
+    every scenario the session selected; started by the version's first item."""
+    runs = {}
+
+    def run(version: str):
+        if version not in runs:
+            selected = {item.callspec.params["name"] for item in request.session.items
+                        if item.originalname == "test_fp4_moe_layer_forward_backward"
+                        and item.callspec.params["version"] == version}
+            scenarios = {name: SCENARIOS[name][0] for name in SCENARIOS if name in selected}
+            timeout_s = sum(SCENARIOS[name][1] for name in scenarios)
+            runs[version] = _run_pair(_version_folder(version), version, scenarios, timeout_s)
+        return runs[version]
+
+    return run
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation of the CUDA paths")
 @pytest.mark.parametrize("name", list(SCENARIOS))
 @pytest.mark.parametrize("version", VERSIONS)
-def test_fp4_moe_layer_forward_backward(version, name):
-    folder = _version_folder(version)
-    scenario, timeout_s = SCENARIOS[name]
-    codes, outputs = _run_pair(folder, version, scenario, timeout_s)
+def test_fp4_moe_layer_forward_backward(version_runs, version, name):
+    _version_folder(version)
+    codes, outputs = version_runs(version)
     report = "\n".join(f"--- rank {r} (exit {c}):\n{o[-4000:]}" for r, (c, o) in enumerate(zip(codes, outputs)))
-    assert codes == [0] * WORLD, report
     results = [json.loads(row[len("RESULT "):]) for o in outputs for row in o.splitlines() if row.startswith("RESULT ")]
-    assert [r["rank"] for r in results] == list(range(WORLD)), report
-    assert all(r["megatron_core"].split("+")[0] == version for r in results), report
+    mine = [r for r in results if r["scenario"] == name]
+    assert [r["rank"] for r in mine] == list(range(WORLD)), report
+    failed = [f"rank {r['rank']}: {r['error']}" for r in mine if r["status"] != "ok"]
+    assert not failed, "\n".join(failed)
+    assert all(r["megatron_core"].split("+")[0] == version for r in mine), report
+    assert codes == [0] * WORLD, report
 
 
 def test_the_matrix_covers_every_release_line_the_start_up_check_accepts():

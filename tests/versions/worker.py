@@ -1,11 +1,15 @@
-"""One rank of one version-matrix scenario, run as its own process (never imported by pytest):
+"""One rank of the version-matrix scenarios of one release, run as its own process (never imported
+by pytest):
 
-    python tests/versions/worker.py RANK WORLD INIT_FILE MEGATRON_DIR EXPECTED_VERSION SCENARIO_JSON
+    python tests/versions/worker.py RANK WORLD INIT_FILE MEGATRON_DIR EXPECTED_VERSION SCENARIOS_JSON
 
 MEGATRON_DIR (a `pip install --target` folder of one megatron-core release) goes first on sys.path,
 then torch.cuda is emulated on the CPU (tests/support/cuda_on_cpu.py) before Megatron is imported. The checks
 are the distributed MoE-layer scenarios' (tests/support/moe_layer_checks.py, whose helpers are reused
-here) at sizes the Triton interpreter gets through in seconds. Exits 0 when the checks hold."""
+here) at sizes the Triton interpreter gets through in seconds. SCENARIOS_JSON maps scenario names to
+their check and its arguments; they run one after the other in this process (start-up and imports
+once), each from the same seed, and each prints one `RESULT {json}` line: "ok" and the check's own
+result, or "failed" with the assertion's message. Any other exception ends the process (exit 1)."""
 
 import json
 import os
@@ -131,7 +135,7 @@ def check_fp8_experts(rank):
 CHECKS = {"dispatch": check_dispatch, "cache": check_cache, "fp8_experts": check_fp8_experts}
 
 
-def main(rank, world, init_file, megatron_dir, expected_version, scenario):
+def main(rank, world, init_file, megatron_dir, expected_version, scenarios):
     sys.path[:0] = [megatron_dir, ROOT, TESTS]  # this checkout's megatron_fp4, whatever is installed
     from support import cuda_on_cpu  # noqa: F401  (before Megatron, which reads torch.cuda at import)
 
@@ -152,15 +156,19 @@ def main(rank, world, init_file, megatron_dir, expected_version, scenario):
     import megatron_fp4
 
     assert megatron_fp4.__file__.startswith(ROOT), f"megatron_fp4 from {megatron_fp4.__file__}, not {ROOT}"
-    checks.TOKENS_PER_RANK, checks.HIDDEN, checks.EXPERTS, checks.TOPK = 64, 256, 4, 2  # the interpreter is slow
+    vars(checks).update(checks.EMULATED_SIZES)  # the interpreter is slow
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True, warn_only=True)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world, expert_tensor_parallel_size=1)
-    model_parallel_cuda_manual_seed(1234)
-    kwargs = dict(scenario)
-    result = CHECKS[kwargs.pop("check")](rank, **kwargs)
-    print("RESULT " + json.dumps(dict(result, rank=rank, megatron_core=found[0])), flush=True)
+    for name, scenario in scenarios.items():
+        model_parallel_cuda_manual_seed(1234)
+        kwargs = dict(scenario)
+        try:
+            result = dict(CHECKS[kwargs.pop("check")](rank, **kwargs), status="ok")
+        except AssertionError as error:  # the ranks stay in step: the next scenario starts on both
+            result = {"status": "failed", "error": str(error)}
+        print("RESULT " + json.dumps(dict(result, scenario=name, rank=rank, megatron_core=found[0])), flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
