@@ -1,4 +1,4 @@
-"""The experts' FP8 weight cache inside Megatron's training step (tests/distributed/test_weight_cache.py),
+"""The experts' FP8 weight cache inside Megatron's training step (tests/distributed/test_weight_cache_in_training.py),
 run by both ranks: the tiny GPTModel of checkpoint_scenarios with FP4 dispatch + FP8 experts, in
 Megatron's DDP with its distributed Adam, two micro-batches per step, with and without
 --overlap-param-gather (the new weights then arrive by all-gather in the next forward's pre-hooks)."""
