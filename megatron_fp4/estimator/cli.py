@@ -42,7 +42,8 @@ Not modeled: the caching allocator's reserve and fragmentation, NCCL and CUDA co
 routing imbalance (experts assumed to receive k*T rows on average), and the code paths of Megatron
 options the configs here do not use. Assumptions and validation: docs/estimator.md.
 """.format(fp4_rows=textwrap.fill(
-    "For an fp4 config (moe_fp4_dispatch: true) two rows (--fp4-memory): " + FP4_MEMORY_ROWS, width=100))
+    "For an fp4 config (moe_fp4_dispatch: true) two rows (--fp4-memory): " + FP4_MEMORY_ROWS, width=100,
+    break_on_hyphens=False))  # flags stay whole
 
 
 def _parse_set(text: str):
