@@ -23,7 +23,7 @@ from megatron_fp4.integration import FP4MoELayer
 from megatron_fp4.launch import gpt, memory_cap, pretrain
 from megatron_fp4.launch.arguments import parse_launcher_args
 from megatron_fp4.options import FP4Options
-from megatron_fp4.run_config import GPU_MEMORY_CAP_ENV
+from megatron_fp4.run_config import GPU_MEMORY_CAP_ENV, load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "scripts" / "pretrain_gpt_fp4.py"
@@ -80,9 +80,17 @@ def test_proxy_script_syntax_and_command_line():
     assert argv[argv.index("--moe-token-dispatcher-type") + 1] == "alltoall"
     assert argv[-2:] == ["--train-iters", "7"]  # extra arguments come last, so they win
     assert argv[argv.index("--save") + 1].endswith("checkpoints")  # checkpoints go to the run directory
-    assert "--moe-fp4-dispatch" not in proxy_command("1", FP4="0")
-    # One config per GPU count, expert parallelism = GPUs; other counts are refused by name.
-    ep = {n: (a := proxy_command(n))[a.index("--expert-model-parallel-size") + 1] for n in ("1", "4", "8")}
+    stock = proxy_command("1", FP4="0")
+    assert "--moe-fp4-dispatch" not in stock
+    # One config per GPU count, expert parallelism = GPUs; other counts are refused by name. The
+    # script picks configs/proxy/gpus<N>.yaml (run above for 2 and 1); the 4- and 8-GPU configs are
+    # read and validated here as their dry runs would.
+    ep = {"1": stock[stock.index("--expert-model-parallel-size") + 1]}
+    for n in ("4", "8"):
+        config = load_config(ROOT / "configs" / "proxy" / f"gpus{n}.yaml")
+        validate_config(config)
+        argv = config.argv()
+        ep[n] = argv[argv.index("--expert-model-parallel-size") + 1]
     assert ep == {"1": "1", "4": "4", "8": "8"}
     refused = subprocess.run(["bash", str(PROXY), "3"], capture_output=True, text=True, check=False, timeout=60,
                              env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable})
