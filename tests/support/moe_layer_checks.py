@@ -27,6 +27,7 @@ the interleaved schedule with two virtual stages per rank (the second test)."""
 
 import contextlib
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -451,3 +452,31 @@ def run_scenario(rank: int, scratch: str, name: str, emulated: bool) -> None:
     if emulated:
         globals().update(EMULATED_SIZES)
     SCENARIOS[name](rank)
+
+
+def shared_processes(names) -> list:
+    """`names` split into the scenario lists that one process pair may run one after the other and
+    get what each would get alone: every scenario but the pipeline ones in one list, each pipeline
+    scenario in a list of its own. Megatron's pipeline schedule sets the MoE aux-loss gradient scale
+    in a class attribute (MoEAuxLossAutoScaler.main_loss_backward_scale, 1 / micro-batches) that
+    outlives the scenario, and tracks aux losses per layer count; the other scenarios leave the scale
+    at the 1.0 its first backward creates and all have one layer."""
+    pipeline = [name for name in names if name.startswith("cache-pipeline-")]
+    rest = [name for name in names if name not in pipeline]
+    return ([rest] if rest else []) + [[name] for name in pipeline]
+
+
+def run_scenarios(rank: int, scratch: str, names, results: str) -> None:
+    """tests/support/two_ranks.py's entry point for several emulated scenarios in one process, one
+    after the other, each from its own parallel state and seed: this rank writes
+    results/<name>.rank<R>.txt, "ok" or the failed assertion, and goes on with the next (the
+    scenarios assert after their collectives, so both ranks stay in step)."""
+    globals().update(EMULATED_SIZES)
+    for name in names:
+        try:
+            SCENARIOS[name](rank)
+            report = "ok"
+        except AssertionError as error:
+            report = f"{name}: {error}"
+        with open(os.path.join(results, f"{name}.rank{rank}.txt"), "w") as f:
+            f.write(report)
