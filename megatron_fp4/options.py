@@ -30,6 +30,18 @@ class ExpertsPrecision(enum.StrEnum):
     FP8 = "fp8"  # ours: FP8 GEMMs fed from the MXFP4 payload
 
 
+class LinearsPrecision(enum.StrEnum):
+    BF16 = "bf16"  # Megatron's own linear layers
+    FP8 = "fp8"  # ours (megatron_fp4.linears): FP8 blockwise GEMMs outside the routed experts
+
+
+class Storage(enum.StrEnum):
+    """Where activations saved for backward are kept in MXFP4."""
+
+    EXPERTS = "experts"  # inside the routed FP8 experts only (their SwiGLU and fc2 inputs)
+    ALL = "all"  # the paper's recipe: also every FP8 linear's saved input and every SwiGLU input
+
+
 class Route(enum.StrEnum):
     """How the plugin reached the model."""
 
@@ -52,17 +64,21 @@ class FP4Options:
     experts: ExpertsPrecision = ExpertsPrecision.BF16
     telemetry: bool = False
     weights_per_use: bool = False
+    linears: LinearsPrecision = LinearsPrecision.BF16
+    storage: Storage = Storage.EXPERTS
 
     def __post_init__(self):
         # Accept the flags' strings; keep the enums.
         object.__setattr__(self, "dispatch_grad", GradFormat(self.dispatch_grad))
         object.__setattr__(self, "scale_rule", ScaleRule(self.scale_rule))
         object.__setattr__(self, "experts", ExpertsPrecision(self.experts))
+        object.__setattr__(self, "linears", LinearsPrecision(self.linears))
+        object.__setattr__(self, "storage", Storage(self.storage))
 
     @property
     def active(self) -> bool:
         """Whether anything of the plugin touches the model (off: stock Megatron)."""
-        return self.dispatch or self.experts is ExpertsPrecision.FP8
+        return self.dispatch or self.experts is ExpertsPrecision.FP8 or self.linears is LinearsPrecision.FP8
 
     @classmethod
     def from_args(cls, args) -> "FP4Options":
@@ -122,6 +138,17 @@ FLAGS = (
          "the peak bytes held in FP4 storage (cached payloads, activations saved in MXFP4). The layers read "
          "nothing back from the GPU; the numbers are read once per logged iteration. Off by default: it adds a few "
          "small kernels per MoE layer and micro-batch."),
+    Flag("linears", "The linear layers outside the routed experts (attention projections: MLA's q down/up, kv "
+         "down/up and output projection, or standard attention's qkv and projection; the dense MLP; the shared "
+         "experts): bf16 (Megatron's own) or fp8 (ours: FP8 GEMMs with 1x128 activation / 128x128 weight "
+         "power-of-two scales on SM90, weights quantized once per optimizer step, each saved input kept as FP8 "
+         "1x128 columns for the weight gradient; the same parameters and checkpoint keys as Megatron's local "
+         "linears). Tensor parallelism 1 and --transformer-impl local only.", LinearsPrecision),
+    Flag("storage", "Where activations kept for backward are stored in MXFP4: experts (inside the routed FP8 "
+         "experts only: their SwiGLU and fc2 inputs) or all (the paper's recipe: also the saved input of every FP8 "
+         "linear and the SwiGLU inputs of the dense MLP and shared experts). Modules that Megatron recomputes "
+         "(--recompute-modules mla_up_proj, mlp, shared_experts, moe, or full recompute) keep FP8 / BF16 there: "
+         "nothing inside a recomputation is stored in FP4.", Storage),
     Flag("weights_per_use", "With --moe-fp4-experts fp8: quantize the experts' weights to FP8 at every use instead "
          "of once per optimizer step. The default keeps two FP8 copies (plain and transposed, 128x128 blocks) of "
          "each local expert weight from the step's first forward to the next step's, about 2 bytes per weight "
@@ -153,6 +180,8 @@ class ModelSettings:
     dispatched_width: Optional[int]  # the MoE latent size when set, else hidden
     moe_ffn_hidden_size: Optional[int]
     expert_tensor_parallel_size: int
+    tensor_parallel_size: int
+    transformer_impl: Optional[str]
     context_parallel_size: int
     swiglu: bool
     add_bias_linear: bool
@@ -196,6 +225,8 @@ class ModelSettings:
             dispatched_width=get("moe_latent_size") or hidden,
             moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
             expert_tensor_parallel_size=get("expert_tensor_parallel_size") or 1,
+            tensor_parallel_size=get("tensor_model_parallel_size") or 1,
+            transformer_impl=get("transformer_impl"),
             context_parallel_size=get("context_parallel_size") or 1,
             swiglu=swiglu,
             add_bias_linear=bool(get("add_bias_linear", False)),
@@ -282,6 +313,7 @@ class Refusal:
 
 FP8 = ExpertsPrecision.FP8
 _fp8_experts = lambda o: o.experts is FP8  # noqa: E731
+_fp8_linears = lambda o: o.linears is LinearsPrecision.FP8  # noqa: E731
 _fp4_payload = lambda o: o.dispatch or o.cache or o.saved_input  # noqa: E731
 
 REFUSALS = (
@@ -302,6 +334,10 @@ REFUSALS = (
             lambda o, m, e, r: o.saved_input and _fp8_experts(o),
             "--moe-fp4-saved-input is for Megatron's BF16 experts; --moe-fp4-experts fp8 already keeps its saved "
             "input in FP4: drop --moe-fp4-saved-input."),
+    Refusal("--moe-fp4-storage all without FP8 linears and FP8 experts",
+            lambda o, m, e, r: o.storage is Storage.ALL and not (_fp8_linears(o) and _fp8_experts(o)),
+            "--moe-fp4-storage all is the paper's whole recipe: it needs --moe-fp4-linears fp8 and "
+            "--moe-fp4-experts fp8."),
     # Where the plugin runs.
     Refusal("a megatron-core release outside the supported lines",
             lambda o, m, e, r: o.active and e is not None and not (
@@ -311,25 +347,31 @@ REFUSALS = (
             "megatron-core or drop the --moe-fp4-* flags."),
     Refusal("no CUDA GPU",
             lambda o, m, e, r: o.active and e is not None and not e.cuda_available,
-            "--moe-fp4-dispatch and --moe-fp4-experts fp8 need CUDA GPUs: their Triton kernels and FP8 GEMMs run "
-            "only there."),
+            "--moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 need CUDA GPUs: their Triton "
+            "kernels and FP8 GEMMs run only there."),
+    Refusal("--moe-fp4-linears fp8 on a GPU other than Hopper (SM90)",
+            lambda o, m, e, r: _fp8_linears(o) and e is not None and e.compute_capability not in (None, (9, 0)),
+            "--moe-fp4-linears fp8 needs Hopper GPUs (compute capability 9.0, found {compute_capability}): its FP8 "
+            "block-scaled GEMMs are SM90's; drop --moe-fp4-linears fp8."),
     Refusal("--moe-fp4-experts fp8 on a GPU other than Hopper (SM90)",
             lambda o, m, e, r: _fp8_experts(o) and e is not None and e.compute_capability not in (None, (9, 0)),
             "--moe-fp4-experts fp8 needs Hopper GPUs (compute capability 9.0, found {compute_capability}): its FP8 "
             "block-scaled GEMMs are SM90's; drop --moe-fp4-experts fp8."),
     Refusal("the patch route (also our launcher on a patched tree) with --moe-fp4-cache, --moe-fp4-saved-input, "
-            "--moe-fp4-experts fp8 or --moe-fp4-telemetry",
-            lambda o, m, e, r: r is Route.PATCH and (o.cache or o.saved_input or _fp8_experts(o) or o.telemetry),
+            "--moe-fp4-experts fp8, --moe-fp4-linears fp8 or --moe-fp4-telemetry",
+            lambda o, m, e, r: r is Route.PATCH and (o.cache or o.saved_input or _fp8_experts(o) or _fp8_linears(o)
+                                                     or o.telemetry),
             "a megatron-core tree patched with `megatron-fp4 patch` serves --moe-fp4-dispatch only: drop "
-            "--moe-fp4-cache, --moe-fp4-saved-input, --moe-fp4-experts fp8 and --moe-fp4-telemetry, or run "
-            "megatron_fp4.launch on an unpatched megatron-core."),
+            "--moe-fp4-cache, --moe-fp4-saved-input, --moe-fp4-experts fp8, --moe-fp4-linears fp8 and "
+            "--moe-fp4-telemetry, or run megatron_fp4.launch on an unpatched megatron-core."),
     Refusal("context parallelism (our launcher does not slice batches per CP rank)",
             lambda o, m, e, r: r is Route.LAUNCHER and m.context_parallel_size > 1,
             "megatron_fp4's launcher does not slice batches for context parallelism: use --context-parallel-size 1."),
     # The model.
     Refusal("no MoE layers",
             lambda o, m, e, r: o.active and not m.num_experts,
-            "--moe-fp4-dispatch and --moe-fp4-experts fp8 need an MoE model: set --num-experts."),
+            "--moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 need an MoE model: set "
+            "--num-experts."),
     Refusal("a dispatcher other than alltoall",
             lambda o, m, e, r: o.dispatch and m.dispatcher_type != "alltoall",
             "--moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got {dispatcher_type}): it replaces "
@@ -374,6 +416,18 @@ REFUSALS = (
             "--moe-fp4-saved-input and --moe-fp4-experts fp8 (with --moe-fp4-dispatch) do not support "
             "--moe-permute-fusion or --moe-pad-expert-input-to-capacity: the payload rows are reordered like the "
             "experts' input by the unfused sort; drop those flags."),
+    # What our FP8 linears implement.
+    Refusal("--moe-fp4-linears fp8 with tensor parallelism",
+            lambda o, m, e, r: _fp8_linears(o) and m.tensor_parallel_size > 1,
+            "--moe-fp4-linears fp8 serves tensor parallelism 1 only (the 671B layout; got "
+            "--tensor-model-parallel-size {tensor_parallel_size}): use pipeline or data parallelism instead."),
+    Refusal("--moe-fp4-linears fp8 with Transformer Engine layers",
+            lambda o, m, e, r: _fp8_linears(o) and m.transformer_impl not in (None, "local"),
+            "--moe-fp4-linears fp8 replaces Megatron's local linear layers: use --transformer-impl local (got "
+            "{transformer_impl})."),
+    Refusal("--moe-fp4-linears fp8 with biases",
+            lambda o, m, e, r: _fp8_linears(o) and m.add_bias_linear,
+            "--moe-fp4-linears fp8 has no biases: add --disable-bias-linear."),
     # What our FP8 experts implement.
     Refusal("--moe-fp4-experts fp8 with the flex dispatcher",
             lambda o, m, e, r: _fp8_experts(o) and m.dispatcher_type == "flex",

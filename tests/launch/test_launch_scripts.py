@@ -158,7 +158,8 @@ def test_a_launch_checks_this_machine_before_torchrun(monkeypatch, tmp_path, cap
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _launch_here(monkeypatch, tmp_path, "configs/proxy/gpus2_fp4.yaml", "raise SystemExit(9)") == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == ("error: --moe-fp4-dispatch and --moe-fp4-experts fp8 need CUDA GPUs: their Triton "
+    assert out == "" and err == ("error: --moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 need "
+                                 "CUDA GPUs: their Triton "
                                  "kernels and FP8 GEMMs run only there.\n")
     assert not (tmp_path / "run").exists()  # torchrun never started
 
