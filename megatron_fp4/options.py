@@ -149,10 +149,10 @@ FLAGS = (
          "linear and the SwiGLU inputs of the dense MLP and shared experts). Modules that Megatron recomputes "
          "(--recompute-modules mla_up_proj, mlp, shared_experts, moe, or full recompute) keep FP8 / BF16 there: "
          "nothing inside a recomputation is stored in FP4.", Storage),
-    Flag("weights_per_use", "With --moe-fp4-experts fp8: quantize the experts' weights to FP8 at every use instead "
-         "of once per optimizer step. The default keeps two FP8 copies (plain and transposed, 128x128 blocks) of "
-         "each local expert weight from the step's first forward to the next step's, about 2 bytes per weight "
-         "element, and saves every later micro-batch the quantization; this flag gives that memory back."),
+    Flag("weights_per_use", "With --moe-fp4-experts fp8 or --moe-fp4-linears fp8: quantize the weights to FP8 at "
+         "every use instead of once per optimizer step. The default keeps two FP8 copies (plain and transposed, 128x128 "
+         "blocks) of each FP8 layer's weight from the step's first forward to the next step's, about 2 bytes per "
+         "weight element, and saves every later micro-batch the quantization; this flag gives that memory back."),
 )
 
 
@@ -324,9 +324,10 @@ REFUSALS = (
     Refusal("--moe-fp4-saved-input without --moe-fp4-dispatch",
             lambda o, m, e, r: o.saved_input and not o.dispatch,
             "--moe-fp4-saved-input needs --moe-fp4-dispatch: it keeps the FP4 dispatch's payload."),
-    Refusal("--moe-fp4-weights-per-use without FP8 experts",
-            lambda o, m, e, r: o.weights_per_use and not _fp8_experts(o),
-            "--moe-fp4-weights-per-use needs --moe-fp4-experts fp8: it is about the FP8 experts' weight copies."),
+    Refusal("--moe-fp4-weights-per-use without FP8 experts or linears",
+            lambda o, m, e, r: o.weights_per_use and not (_fp8_experts(o) or _fp8_linears(o)),
+            "--moe-fp4-weights-per-use needs --moe-fp4-experts fp8 or --moe-fp4-linears fp8: it is about their FP8 "
+            "weight copies."),
     Refusal("--moe-fp4-telemetry without --moe-fp4-dispatch",
             lambda o, m, e, r: o.telemetry and not o.dispatch,
             "--moe-fp4-telemetry needs --moe-fp4-dispatch: it reports the FP4 dispatch's traffic, error and storage."),

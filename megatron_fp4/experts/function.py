@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .. import kernels as K
+from ..main_grad import added_to_main_grad, fused_main_grads
 from ..telemetry import Telemetry
 from ..tensors import FP8StackedWeights, MXFP4Tensor
 from .gemm import per_expert_products, per_expert_wgrad
@@ -49,46 +50,15 @@ class ExpertsCall:
     telemetry: Optional[Telemetry] = None  # counts the MXFP4 activations saved for backward
 
 
-# One dummy weight gradient per shape, dtype, device and fill, shared by all experts and layers
-# (as Transformer Engine does): DDP only looks at it to skip its own accumulation.
-_dummy_grads = {}
-
-
-def _dummy_grad(param: torch.Tensor, dtype, zero: bool) -> torch.Tensor:
-    key = (tuple(param.shape), dtype, param.device, zero)
-    if key not in _dummy_grads:
-        make = torch.zeros if zero else torch.empty
-        _dummy_grads[key] = make(param.shape, dtype=dtype, device=param.device)
-    return _dummy_grads[key]
-
-
-def _added_to_main_grad(param: torch.Tensor, dtype) -> Optional[torch.Tensor]:
-    """What backward returns for a parameter whose gradient went into main_grad: as Megatron's linear
-    layers do under DDP, a shared dummy, so that DDP's hook, which sees grad_added_to_main_grad,
-    runs on the main thread and adds nothing."""
-    if not hasattr(param, "grad_added_to_main_grad"):
-        return None
-    param.grad_added_to_main_grad = True
-    return _dummy_grad(param, dtype, zero=getattr(param, "zero_out_wgrad", False))
-
-
-def _fused_main_grads(params, accumulate_in_main_grad: bool) -> Optional[list]:
-    """The parameters' main_grad buffers when Megatron fuses gradient accumulation, else None."""
-    main_grads = [getattr(param, "main_grad", None) for param in params]
-    if accumulate_in_main_grad and all(g is not None for g in main_grads):
-        return main_grads
-    return None
-
-
 def weight_gradients(params, grad_cols, input_cols, dtype, call: ExpertsCall) -> list:
     """What backward returns for the experts' weights of one linear layer, from the colwise gradient
     and input (None for both: no tokens, a zero gradient). With fused accumulation the wgrad goes
     into main_grad (the grouped kernel adds its fp32 sums unrounded, as Megatron's fused wgrad)."""
-    main_grads = _fused_main_grads(params, call.accumulate_in_main_grad)
+    main_grads = fused_main_grads(params, call.accumulate_in_main_grad)
     if main_grads is not None:
         if grad_cols is not None:
             _wgrad(call, grad_cols, input_cols, dtype, main_grads)
-        return [_added_to_main_grad(param, dtype) for param in params]
+        return [added_to_main_grad(param, dtype) for param in params]
     if grad_cols is None:
         return [torch.zeros_like(param) for param in params]
     return [grad.to(param.dtype) for param, grad in zip(params, _wgrad(call, grad_cols, input_cols, dtype, None))]

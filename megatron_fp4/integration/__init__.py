@@ -5,13 +5,16 @@
 
 from ..options import FP4Options
 from .experts_spec import use_fp8_experts
+from .linears_spec import use_fp8_linears
 from .moe_layer import FP4MoELayer, count_fp4_moe_layers, use_fp4_dispatch
 
 
 def use_fp4(spec, options: FP4Options):
     """`spec` (a layer, block or MTP block spec) as `options` ask: MoE layers dispatching in MXFP4
-    (options.dispatch) and their experts in FP8 (options.experts); the same object when stock."""
-    return use_fp8_experts(use_fp4_dispatch(spec, options), options)
+    (options.dispatch), their experts in FP8 (options.experts), the other linear layers in FP8
+    (options.linears); the same object when stock."""
+    return use_fp8_linears(use_fp8_experts(use_fp4_dispatch(spec, options), options), options)
 
 
-__all__ = ["FP4MoELayer", "FP4Options", "count_fp4_moe_layers", "use_fp4", "use_fp4_dispatch", "use_fp8_experts"]
+__all__ = ["FP4MoELayer", "FP4Options", "count_fp4_moe_layers", "use_fp4", "use_fp4_dispatch", "use_fp8_experts",
+           "use_fp8_linears"]

@@ -19,6 +19,7 @@ from megatron.training.utils import get_blend_and_blend_per_split
 
 from ..experts import FP8Experts
 from ..integration import count_fp4_moe_layers, use_fp4
+from ..linears import FP8ColumnParallelLinear, FP8RowParallelLinear
 from ..options import FP4Options
 from .installed import HAVE_TE
 
@@ -73,7 +74,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         vp_stage=vp_stage,
     )
     print_rank_0(f"> MoE layers dispatching in MXFP4 on this stage: {count_fp4_moe_layers(model)}; "
-                 f"with FP8 experts: {sum(isinstance(m, FP8Experts) for m in model.modules())}")
+                 f"with FP8 experts: {sum(isinstance(m, FP8Experts) for m in model.modules())}; FP8 linear layers: "
+                 f"{sum(isinstance(m, (FP8ColumnParallelLinear, FP8RowParallelLinear)) for m in model.modules())}")
     return model
 
 

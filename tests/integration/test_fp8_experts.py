@@ -10,10 +10,8 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megatron_fp4 import reference as ref
 from megatron_fp4.experts import FP8Experts
@@ -40,18 +38,6 @@ def _config(**overrides):
 def _experts_builder(kind: str):
     spec = use_fp8_experts(get_gpt_layer_local_spec(num_experts=EXPERTS), FP4Options(experts=kind))
     return spec.submodules.mlp.keywords["submodules"].experts
-
-
-@pytest.fixture
-def model_parallel():
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    try:
-        yield get_default_pg_collection()
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
 
 
 def _build(pg_collection, device, kind="fp8", seed=3, **overrides):

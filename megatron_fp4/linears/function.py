@@ -1,0 +1,124 @@
+"""Y = X W^T as FP8 block-scaled GEMMs, forward and backward, with the input kept for the weight
+gradient in FP8 or in MXFP4 (DESIGN §3, §7).
+
+Forward: X in 1x128 rows times W in 128x128 blocks. Saved for backward: only X, quantized along
+tokens, either as the FP8 1x128 columns the weight-gradient GEMM reads (FP8 storage: one byte per
+element plus an fp32 scale per 128 tokens) or as MXFP4 rows (H/2 + H/32 bytes per token) that
+backward turns into those columns by the exact FP4 -> FP8 conversion. Backward: dX = dY W in FP8
+(dY in 1x128 rows, W^T in 128x128 blocks); dW = dY^T X with both operands 1x128 along tokens.
+
+The GEMMs are the experts' cuBLASLt path (experts/gemm.py) over one segment that holds every
+token, so they run where a dense scaled_mm runs. A weight whose output features are not a multiple
+of 128 (MLA's kv down-projection: 512 + 64) is quantized with zero rows up to the next multiple:
+the extra output columns are computed and dropped, and the gradient gets zero columns there.
+"""
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels as K
+from ..experts.gemm import per_expert_products, per_expert_wgrad
+from ..experts.segments import ExpertSegments
+from ..experts.weight_cache import FP8WeightCache
+from ..formats import FP8_BLOCK
+from ..main_grad import added_to_main_grad, fused_main_grads
+from ..tensors import COLWISE, FP8BlockTensor, MXFP4Tensor
+
+
+class SavedInput(enum.Enum):
+    """How a linear layer keeps its input for the weight gradient."""
+
+    FP8 = "fp8"  # FP8 1x128 columns, built in forward (the FP8 baseline, Transformer Engine's choice)
+    MXFP4 = "mxfp4"  # MXFP4 rows (the paper's recipe), converted exactly to FP8 columns in backward
+
+
+@dataclass(frozen=True)
+class LinearCall:
+    """What one forward needs besides the input and the weight."""
+
+    saved: SavedInput
+    scale_rule: str  # MXFP4 rule of a saved MXFP4 input
+    accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
+    backward_follows: bool  # False: a no-grad forward saves nothing
+    weight_cache: Optional[FP8WeightCache]  # the module's FP8 weights for the step; None: per use
+
+
+def padded_features(n: int) -> int:
+    return -(-n // FP8_BLOCK) * FP8_BLOCK
+
+
+def _quantize_padded(weights, transpose: bool):
+    """The 128x128-block FP8 copy of one weight [N, K], with zero rows up to a multiple of 128."""
+    (weight,) = weights
+    pad = padded_features(weight.shape[0]) - weight.shape[0]
+    if pad:
+        weight = F.pad(weight, (0, 0, 0, pad))
+    return K.quantize_fp8_weights_stacked([weight], transpose)
+
+
+def _fp8_weight(call: LinearCall, weight: torch.Tensor, transpose: bool):
+    if call.weight_cache is None:
+        return _quantize_padded([weight], transpose)
+    return call.weight_cache.get("weight", [weight], transpose, _quantize_padded)
+
+
+def _padded_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[1] == width else F.pad(x, (0, width - x.shape[1]))
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: LinearCall, x: torch.Tensor, weight: torch.Tensor):
+        out_features, in_features = weight.shape
+        if x.shape[-1] != in_features:
+            raise ValueError(f"FP8 linear: input {tuple(x.shape)} does not match the weight {tuple(weight.shape)}")
+        leading = x.shape[:-1]
+        x2d = x.reshape(-1, in_features).contiguous()
+        segments = ExpertSegments.of([x2d.shape[0]], x.device)
+        output = per_expert_products(segments, K.quantize_fp8_rows(x2d), _fp8_weight(call, weight, False), x.dtype)
+        if output.shape[1] != out_features:
+            output = output[:, :out_features].contiguous()
+        if call.backward_follows:
+            if call.saved is SavedInput.MXFP4:
+                saved = (K.quantize_mxfp4(x2d, call.scale_rule).rows,)
+            else:
+                cols = K.quantize_fp8_cols(x2d, segments.counts_device, check_counts=False)
+                saved = (cols.data, cols.block_scales, cols.segment_offsets)
+            ctx.save_for_backward(weight, *saved)
+            ctx.call, ctx.segments, ctx.in_features = call, segments, in_features
+        return output.view(*leading, out_features)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        call, segments = ctx.call, ctx.segments
+        weight, *saved = ctx.saved_tensors
+        out_features = weight.shape[0]
+        dtype = grad_output.dtype
+        grad2d = _padded_columns(grad_output.reshape(-1, out_features), padded_features(out_features)).contiguous()
+
+        grad_input = per_expert_products(segments, K.quantize_fp8_rows(grad2d), _fp8_weight(call, weight, True), dtype)
+        grad_cols = K.quantize_fp8_cols(grad2d, segments.counts_device, check_counts=False)
+        if call.saved is SavedInput.MXFP4:
+            input_cols = K.mxfp4_to_fp8_cols(MXFP4Tensor(saved[0], ctx.in_features, call.scale_rule),
+                                             segments.counts_device, check_counts=False)
+        else:
+            input_cols = FP8BlockTensor(saved[0], saved[1], COLWISE, saved[2])
+        grad_weight = _weight_gradient(call, segments, weight, grad_cols, input_cols, dtype)
+        return None, grad_input.view(*grad_output.shape[:-1], ctx.in_features), grad_weight
+
+
+def _weight_gradient(call: LinearCall, segments, weight, grad_cols, input_cols, dtype):
+    """dW [N, K]; with Megatron's fused accumulation added into main_grad (a dummy returned)."""
+    main_grads = fused_main_grads([weight], call.accumulate_in_main_grad)
+    if main_grads is not None and grad_cols.shape[0] == weight.shape[0]:
+        per_expert_wgrad(segments, grad_cols, input_cols, dtype, accumulate_into=main_grads)
+        return added_to_main_grad(weight, dtype)
+    grad_weight = per_expert_wgrad(segments, grad_cols, input_cols, dtype)[0, : weight.shape[0]]
+    if main_grads is not None:  # padded output features: the product has extra rows
+        main_grads[0].add_(grad_weight)
+        return added_to_main_grad(weight, dtype)
+    return grad_weight.to(weight.dtype)

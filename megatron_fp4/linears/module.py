@@ -1,0 +1,142 @@
+"""FP8ColumnParallelLinear and FP8RowParallelLinear: Megatron's local linear layers (same
+parameters, initialization and checkpoint keys) whose forward and backward are FP8 GEMMs
+(function.py). Tensor parallelism 1 only, no bias.
+
+Each layer is built for a role in the transformer layer; the role says whether Megatron recomputes
+it (--recompute-modules), and a recomputed layer keeps its input in FP8 even under
+--moe-fp4-storage all: nothing inside a recomputation is stored in FP4.
+"""
+
+import copy
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from ..experts.weight_cache import FP8WeightCache
+from ..formats import FP8_BLOCK
+from ..options import FP4Options, LinearsPrecision, ModelSettings, Route, Storage, UnsupportedConfiguration, validate
+from .function import FP8LinearFunction, LinearCall, SavedInput
+
+
+class LinearRole(enum.Enum):
+    """Where a linear layer sits, as Megatron's selective recompute names it."""
+
+    ATTENTION = "attention"  # q/kv down-projections, qkv, output projection: no selective recompute
+    MLA_UP_PROJECTION = "mla_up_proj"  # MLA's q and kv up-projections
+    DENSE_MLP = "mlp"
+    SHARED_EXPERTS = "shared_experts"
+
+
+# Selective-recompute modules that re-run a role's layers (`moe` checkpoints the whole MoE layer,
+# shared experts included).
+_RECOMPUTED_BY = {
+    LinearRole.ATTENTION: frozenset(),
+    LinearRole.MLA_UP_PROJECTION: frozenset({"mla_up_proj"}),
+    LinearRole.DENSE_MLP: frozenset({"mlp"}),
+    LinearRole.SHARED_EXPERTS: frozenset({"shared_experts", "moe"}),
+}
+
+
+def recomputed(role: LinearRole, config) -> bool:
+    """Whether Megatron recomputes the layers of `role` under `config` (full recompute: all)."""
+    granularity = getattr(config, "recompute_granularity", None)
+    if granularity == "full":
+        return True
+    return granularity == "selective" and bool(_RECOMPUTED_BY[role] & set(config.recompute_modules or ()))
+
+
+def saved_input(options: FP4Options, role: LinearRole, config) -> SavedInput:
+    """How a linear layer of `role` keeps its input for the weight gradient."""
+    if options.storage is Storage.ALL and not recomputed(role, config):
+        return SavedInput.MXFP4
+    return SavedInput.FP8
+
+
+def _check_layer(kind: str, input_size: int, output_size: int, bias: bool, name: Optional[str]) -> None:
+    what = f"--moe-fp4-linears fp8: {kind} {name or ''}".rstrip()
+    if input_size % FP8_BLOCK:
+        raise UnsupportedConfiguration(f"{what} has {input_size} input features; FP8 1x128 blocks need a multiple of "
+                                       f"{FP8_BLOCK}: change the model's sizes or drop --moe-fp4-linears fp8.")
+    if bias:
+        raise UnsupportedConfiguration(f"{what} asks for a bias, which the FP8 linears do not have: add "
+                                       "--disable-bias-linear (and no --add-qkv-bias).")
+
+
+def _weight_holder_config(config):
+    """Megatron's layer checks for apex's fused wgrad kernel when gradient accumulation is fused;
+    our backward does that accumulation itself, so the parent never needs the kernel."""
+    holder = copy.copy(config)
+    holder.gradient_accumulation_fusion = False
+    return holder
+
+
+@dataclass
+class _FP8Settings:
+    """What an FP8 linear layer's forward needs, fixed when the layer is built."""
+
+    saved: SavedInput
+    scale_rule: str
+    accumulate_in_main_grad: bool
+    weight_cache: Optional[FP8WeightCache] = field(default=None)
+
+    @classmethod
+    def of(cls, options: FP4Options, role: LinearRole, config) -> "_FP8Settings":
+        if options.linears is not LinearsPrecision.FP8:
+            raise ValueError("an FP8 linear layer was built without --moe-fp4-linears fp8")
+        validate(options, ModelSettings.from_config(config), None, Route.PLUGIN)
+        return cls(saved_input(options, role, config), options.scale_rule.value,
+                   bool(config.gradient_accumulation_fusion), None if options.weights_per_use else FP8WeightCache())
+
+
+def _fp8_forward(settings: _FP8Settings, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # Decided here: inside the autograd function grad mode is always off.
+    backward_follows = torch.is_grad_enabled() and (input_.requires_grad or weight.requires_grad)
+    call = LinearCall(settings.saved, settings.scale_rule, settings.accumulate_in_main_grad, backward_follows,
+                      settings.weight_cache)
+    return FP8LinearFunction.apply(call, input_, weight)
+
+
+class FP8ColumnParallelLinear(ColumnParallelLinear):
+    def __init__(self, input_size: int, output_size: int, *, config, options: FP4Options, role: LinearRole,
+                 bias: bool = True, gather_output: bool = False, name: Optional[str] = None, **kwargs):
+        _check_layer("column-parallel layer", input_size, output_size, bias, name)
+        super().__init__(input_size, output_size, config=_weight_holder_config(config), bias=bias,
+                         gather_output=gather_output, name=name, **kwargs)
+        self.fp8 = _FP8Settings.of(options, role, config)
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None):
+        if weight is not None:
+            raise ValueError("FP8ColumnParallelLinear does not take a weight at forward (shared embeddings)")
+        return _fp8_forward(self.fp8, input_, self.weight), None
+
+
+class FP8RowParallelLinear(RowParallelLinear):
+    def __init__(self, input_size: int, output_size: int, *, config, options: FP4Options, role: LinearRole,
+                 bias: bool = True, name: Optional[str] = None, **kwargs):
+        _check_layer("row-parallel layer", input_size, output_size, bias, name)
+        super().__init__(input_size, output_size, config=_weight_holder_config(config), bias=bias, name=name,
+                         **kwargs)
+        self.fp8 = _FP8Settings.of(options, role, config)
+
+    def forward(self, input_: torch.Tensor):
+        return _fp8_forward(self.fp8, input_, self.weight), None
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """A linear layer in a layer spec, usable where Megatron calls the spec (`submodules.linear_fc1(...)`)
+    and where it builds it (`build_module`, which reads `module` and `params`)."""
+
+    module: type
+    params: dict
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **self.params, **kwargs)
+
+
+def linear_spec(column: bool, options: FP4Options, role: LinearRole) -> LinearSpec:
+    return LinearSpec(FP8ColumnParallelLinear if column else FP8RowParallelLinear, {"options": options, "role": role})
