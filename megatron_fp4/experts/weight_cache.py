@@ -14,7 +14,7 @@ Memory: one FP8 byte per weight element and orientation (W for fprop, W^T for dg
 first forward of a step to the first forward of the next.
 """
 
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -49,10 +49,12 @@ class FP8WeightCache:
         self._entries: Dict[Tuple[str, bool], Tuple[Tuple, FP8StackedWeights]] = {}
 
     def get(self, name: str, weights: Sequence[torch.Tensor], transpose: bool,
-            quantize: Callable[[Sequence[torch.Tensor], bool], FP8StackedWeights] = K.quantize_fp8_weights_stacked
+            quantize: Optional[Callable[[Sequence[torch.Tensor], bool], FP8StackedWeights]] = None
             ) -> FP8StackedWeights:
-        """The 128x128-block FP8 copy of `weights` (stacked, transposed if asked) made by `quantize`,
-        quantized now if the weights changed since the last copy."""
+        """The 128x128-block FP8 copy of `weights` (stacked, transposed if asked) made by `quantize`
+        (default: K.quantize_fp8_weights_stacked), quantized now if the weights changed since the
+        last copy."""
+        quantize = quantize or K.quantize_fp8_weights_stacked
         stamp = _stamp(weights)
         entry = self._entries.get((name, transpose))
         if entry is None or entry[0] != stamp:
