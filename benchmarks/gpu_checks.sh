@@ -20,12 +20,7 @@
 # MEGATRON_WHEEL_DIR (.whl): megatron-core wheels installed to /tmp/site when not importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if ! python3 -c "import megatron.core" 2>/dev/null; then
-    pip install -q --no-index --no-deps --target /tmp/site "${MEGATRON_WHEEL_DIR:-.whl}"/*.whl
-    export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
+source benchmarks/device_setup.sh
 GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | grep -c .)
 nvidia-smi topo -m || true
 declare -A STATUS

@@ -3,6 +3,7 @@
     megatron-fp4 estimate CONFIG.yaml     # per-GPU memory and all-to-all bytes (megatron_fp4.estimator)
     megatron-fp4 patch check|apply PATH   # patch a Megatron-LM tree (megatron_fp4.patching)
     megatron-fp4 argv CONFIG.yaml         # the Megatron command line a YAML config stands for
+    megatron-fp4 corpus PREFIX            # a byte-level indexed dataset from local text (megatron_fp4.corpus)
 
 estimate and argv refuse, in one sentence with exit status 2, a config that a launch would refuse.
 """
@@ -14,7 +15,8 @@ import sys
 from .console import quiet_third_party_notices
 
 # Subcommand modules; each has register(subparsers) that adds its parser with set_defaults(run=...).
-SUBCOMMAND_MODULES = ("megatron_fp4.estimator", "megatron_fp4.patching", "megatron_fp4.run_config")
+SUBCOMMAND_MODULES = ("megatron_fp4.estimator", "megatron_fp4.patching", "megatron_fp4.run_config",
+                      "megatron_fp4.corpus")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ from ..experts import FP8Experts
 from ..integration import count_fp4_moe_layers, use_fp4
 from ..linears import FP8ColumnParallelLinear, FP8RowParallelLinear
 from ..options import FP4Options
+from .data_order import data_seed, validation_identity_line
 from .installed import HAVE_TE
 
 
@@ -80,11 +81,13 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Mock or indexed GPT datasets, built on every rank (each rank then reads its own batches)."""
+    """Mock or indexed GPT datasets, built on every rank (each rank then reads its own batches); the
+    datasets' seed is data_order.data_seed (--seed unless MEGATRON_FP4_DATA_SEED is set)."""
     args = get_args()
     blend, blend_per_split = (None, None) if args.mock_data else get_blend_and_blend_per_split(args)
+    seed = data_seed(args)
     config = GPTDatasetConfig(
-        random_seed=args.seed,
+        random_seed=seed,
         sequence_length=args.seq_length,
         blend=blend,
         blend_per_split=blend_per_split,
@@ -100,8 +103,11 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
     )
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
-    print_rank_0(f"> building {dataset_type.__name__} train, validation and test splits")
-    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, lambda: True, config).build()
+    print_rank_0(f"> building {dataset_type.__name__} train, validation and test splits, data seed {seed}")
+    datasets = BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, lambda: True, config).build()
+    if args.full_validation and not args.mock_data and datasets[1] is not None:
+        print_rank_0(validation_identity_line(datasets[1]))
+    return datasets
 
 
 # Every rank builds its data loader: no broadcast of batches inside the tensor-parallel group.

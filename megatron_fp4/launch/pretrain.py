@@ -13,7 +13,7 @@ from .gpt import forward_step, model_provider, train_valid_test_datasets_provide
 from .memory_cap import apply_memory_cap
 from .refusal import check_args
 from .telemetry_log import install as install_telemetry_log
-from .workarounds import use_prebuilt_dataset_helpers
+from .workarounds import full_validation_of_one_set, use_prebuilt_dataset_helpers
 
 
 def main():
@@ -24,6 +24,7 @@ def main():
     apply_memory_cap(args.local_rank)
 
     use_prebuilt_dataset_helpers()
+    full_validation_of_one_set()
     with warnings.catch_warnings():  # it recommends a model config; we pass a model provider
         warnings.simplefilter("ignore")
         cfg = pretrain_cfg_container_from_args(args)

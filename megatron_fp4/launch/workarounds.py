@@ -2,6 +2,7 @@
 from our launcher; each fix says why. None changes what a run computes."""
 
 import argparse
+import functools
 import re
 
 from .installed import importable
@@ -30,3 +31,28 @@ def use_prebuilt_dataset_helpers() -> None:
         import megatron.core.datasets.utils as dataset_utils
 
         dataset_utils.compile_helpers = lambda: None
+
+
+def full_validation_of_one_set() -> None:
+    """Megatron 0.18 and 0.19 broadcast --full-validation's iteration counts as one tensor per
+    validation set and index the result (training.evaluate_and_print_results), which fails for a
+    single validation set (an int: "'int' object is not subscriptable" after the last training
+    iteration). Hand it that count as a one-element list for each call; Megatron turns it back into
+    the int itself."""
+    from megatron.training import get_args
+    from megatron.training import training
+
+    evaluate = training.evaluate_and_print_results
+    if getattr(evaluate, "listed_eval_iters", False):
+        return
+
+    @functools.wraps(evaluate)
+    def evaluate_with_listed_eval_iters(*args, **kwargs):
+        megatron_args = get_args()
+        if (megatron_args.full_validation and not megatron_args.multiple_validation_sets
+                and isinstance(megatron_args.eval_iters, int)):
+            megatron_args.eval_iters = [megatron_args.eval_iters]
+        return evaluate(*args, **kwargs)
+
+    evaluate_with_listed_eval_iters.listed_eval_iters = True
+    training.evaluate_and_print_results = evaluate_with_listed_eval_iters

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The convergence proxy in one go on a GPU machine: install the megatron-core wheel when it is not
+# importable (as gpu_checks.sh does), build the corpus from this machine's Python sources, train the
+# runs side by side on one GPU, write the rows and the plot (benchmarks/bench_convergence.py; its
+# --help lists the runs and options, all of which this script passes on).
+#
+#   benchmarks/convergence.sh                                  # the default runs, 2000 iterations
+#   benchmarks/convergence.sh --iters 20 --runs bf16,fp4 --budget-s 60    # smoke
+# Environment: MEGATRON_FP4_BENCH_RESULTS (rows; default benchmarks/results/), MEGATRON_FP4_COMMIT,
+# PLOT (default docs/convergence.png), MEGATRON_WHEEL_DIR (.whl).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/device_setup.sh
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+python3 -m benchmarks.bench_convergence --plot "${PLOT:-docs/convergence.png}" "$@"

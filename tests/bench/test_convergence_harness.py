@@ -1,0 +1,165 @@
+"""benchmarks/bench_convergence.py and its parts: the log parser on Megatron's own lines
+(tests/data/convergence_train_log.txt: lines of a real CPU run of our launcher with a convergence
+config, Megatron 0.19.2), the loss jump and references, the harness end to end with a stand-in
+torchrun that prints that log (rows, curves, the plot), its wall-clock budget and its epoch check."""
+
+import json
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of the repository, not of the installed package
+
+from benchmarks import bench_convergence as harness  # noqa: E402
+from benchmarks import convergence_log, plot_convergence, rows  # noqa: E402
+
+LOG = ROOT / "tests" / "data" / "convergence_train_log.txt"
+
+
+def _numbers_after(text, label):
+    return [float(m) for m in re.findall(re.escape(label) + r"\s+([-+0-9.E]+)", text)]
+
+
+def test_parser_reads_megatrons_lines():
+    text = LOG.read_text()
+    run = convergence_log.parse_log(text)
+    iteration_lines = [line for line in text.splitlines() if " iteration " in line and "lm loss:" in line]
+    assert len(run.points) == len(iteration_lines) > 1
+    assert [p.lm_loss for p in run.points] == _numbers_after(text, "| lm loss:")
+    assert [p.ms_per_iteration for p in run.points] == _numbers_after(text, "elapsed time per iteration (ms):")
+    assert [p.iteration for p in run.points] == [int(re.search(r"iteration\s+(\d+)/", line).group(1))
+                                                   for line in iteration_lines]
+    assert [run.final_validation_loss] == _numbers_after(text, "lm loss value:")
+    assert run.final_validation_iteration == run.last_iteration == run.total_iterations
+    assert run.validation_sha256 == re.search(r"sha256 ([0-9a-f]{64})", text).group(1)
+    assert run.validation_samples == int(re.search(r"validation set: (\d+) samples", text).group(1))
+    assert run.data_seed == int(re.search(r"data seed (\d+)", text).group(1))
+    assert run.nan_iterations == run.skipped_iterations == 0
+
+
+def test_parser_counts_nan_and_skipped_iterations():
+    text = LOG.read_text()
+    last = [line for line in text.splitlines() if "lm loss:" in line][-1]
+    changed = last.replace("number of skipped iterations:   0", "number of skipped iterations:   3").replace(
+        "number of nan iterations:   0", "number of nan iterations:   2")
+    assert changed != last
+    run = convergence_log.parse_log(text.replace(last, changed))
+    assert (run.skipped_iterations, run.nan_iterations) == (3, 2)
+
+
+def test_largest_jump_and_rates():
+    points = [convergence_log.Point(i, loss, ms) for i, loss, ms in
+              ((10, 5.0, 900.0), (20, 4.0, 100.0), (30, 4.5, 100.0), (40, math.nan, 100.0), (50, 3.0, 300.0))]
+    assert convergence_log.largest_jump(points) == (0.5, 30)  # NaN steps are no jump
+    assert convergence_log.largest_jump(points[:2]) == (0.0, 0)
+    # The first interval (start-up) is left out: mean of 100, 100, 100, 300 ms.
+    assert convergence_log.tokens_per_second(points, 1000) == pytest.approx(1000 / 0.15)
+    assert convergence_log.deviation(3.03, 3.0) == pytest.approx(0.01)
+
+
+def test_every_run_of_the_default_list_has_its_bf16_reference():
+    runs = [harness.CATALOGUE[name] for name in harness.DEFAULT_RUNS]
+    refs = harness.references(runs)
+    assert set(refs) == {run.name for run in runs}
+    named = {name: refs[name].name for name in refs}
+    assert named["bf16"] == named["fp8"] == named["fp4"] == named["bf16_repeat"] == named["fp4_dispatch"] == "bf16"
+    assert named["bf16_seed2"] == named["fp8_seed2"] == named["fp4_seed2"] == "bf16_seed2"
+    assert named["bf16_init2"] == "bf16"  # another init, the data order of bf16
+    catalogue = harness.CATALOGUE
+    assert harness.role(catalogue["bf16"], catalogue["bf16"]) == "reference"
+    assert harness.role(catalogue["bf16_repeat"], catalogue["bf16"]).startswith("noise: repeat")
+    assert harness.role(catalogue["bf16_init2"], catalogue["bf16"]).startswith("noise: init")
+    assert harness.role(catalogue["fp4"], catalogue["bf16"]) == "compared"
+    # A run whose data order no plain BF16 run shares has no reference.
+    assert "fp4" not in harness.references([catalogue["fp4"], catalogue["bf16_seed2"]])
+
+
+def test_run_specs():
+    run = harness.parse_run_spec("mine fp4 7 data_seed=1234 --lr 2e-3")
+    assert (run.name, run.config, run.seed, run.data_seed, run.flags) == ("mine", "fp4", 7, 1234, ("--lr", "2e-3"))
+    assert run.order == 1234 and run.config_path() == ROOT / "configs" / "convergence" / "fp4.yaml"
+    with pytest.raises(ValueError, match="expected 'NAME CONFIG SEED"):
+        harness.parse_run_spec("mine fp4")
+
+
+@pytest.fixture
+def small_corpus(tmp_path):
+    from megatron_fp4.corpus import build_corpus
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for i in range(40):
+        (tree / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {i} + {j}\n" for j in range(60)))
+    return build_corpus(tmp_path / "corpus" / "text", [tree], progress=lambda _: None)
+
+
+def _harness(tmp_path, monkeypatch, torchrun_code, *argv):
+    monkeypatch.setenv("TORCHRUN", shlex.join([sys.executable, "-c", torchrun_code]))
+    monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("MEGATRON_FP4_COMMIT", "abc1234")
+    return harness.main(["--corpus", str(tmp_path / "corpus" / "text"), "--out-dir", str(tmp_path / "runs"),
+                         "--poll-s", "0.5", *argv])
+
+
+def test_the_harness_end_to_end(tmp_path, monkeypatch, small_corpus, capsys):
+    # Each run's "torchrun" prints the canned log; the launcher tees it into the run's log.
+    code = f"print(open({str(LOG)!r}).read())"
+    status = _harness(tmp_path, monkeypatch, code, "--runs", "bf16,bf16_init2", "--iters", "6",
+                      "--plot", str(tmp_path / "plot.png"))
+    out = capsys.readouterr().out
+    assert status == 0, out[-3000:]
+    assert re.search(r"\] bf16 finished \| bf16_init2 finished", out)
+    canned = convergence_log.parse_log(LOG.read_text())
+    results = [json.loads(line) for line in (tmp_path / "results" / "convergence.jsonl").read_text().splitlines()]
+    curves = [json.loads(line) for line in (tmp_path / "results" / "convergence_curves.jsonl").read_text().splitlines()]
+    for row in results + curves:
+        assert rows.row_problems(row) == [], row
+        assert row["commit"] == "abc1234" and row["corpus_sha256"] == small_corpus["sha256"]
+    finals = {r["case"]: r for r in results if r["metric"] == "final validation loss (whole split)"}
+    assert set(finals) == {"bf16", "bf16_init2"}
+    assert finals["bf16_init2"]["reference_run"] == "bf16" and finals["bf16_init2"]["role"].startswith("noise: init")
+    assert all(r["value"] == canned.final_validation_loss and r["same_validation_set"] for r in finals.values())
+    assert all(r["validation_sha256"] == canned.validation_sha256 for r in finals.values())
+    done = {r["case"]: r["value"] for r in results if r["metric"] == "iterations completed"}
+    assert done == {name: canned.last_iteration for name in finals}
+    assert len(curves) == 2 * len(canned.points) and len({r["run"] for r in results + curves}) == 1
+    assert (tmp_path / "runs" / "bf16_init2" / "train_node0.log").exists()
+    png = tmp_path / "plot.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_budget_stops_what_is_left(tmp_path, monkeypatch, small_corpus, capsys):
+    status = _harness(tmp_path, monkeypatch, "import time; print('started', flush=True); time.sleep(120)",
+                      "--runs", "bf16", "--iters", "6", "--budget-s", "3")
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "bf16 stopped at the 3 s budget" in out
+    results = [json.loads(line) for line in (tmp_path / "results" / "convergence.jsonl").read_text().splitlines()]
+    assert [(r["metric"], r["value"], r["status"]) for r in results] == [
+        ("iterations completed", 0.0, "stopped at the 3 s budget")]
+
+
+def test_a_run_of_an_epoch_or_more_is_refused(tmp_path, monkeypatch, small_corpus):
+    with pytest.raises(SystemExit, match=r"run bf16 would train on \d+ tokens, [0-9.]+ epochs"):
+        _harness(tmp_path, monkeypatch, "pass", "--runs", "bf16", "--iters", "100000", "--dry-run")
+
+
+def test_the_plot_from_rows(tmp_path):
+    info = {"gpu": "cpu", "gpus": 1, "commit": "abc1234", "date": "2026-12-02", "run": "2026-12-02T00:00:00Z"}
+    curve_rows = [rows.make_row("convergence_curves", case, "lm loss", loss, "nats/token", "BF16 bf16", ref, info,
+                                "closer_to_1", iteration=i)
+                  for i, ref in ((10, 5.0), (20, 4.0), (30, 3.5)) for case, loss in (("bf16", ref), ("fp4", ref * 1.01))]
+    final = rows.make_row("convergence", "fp4", plot_convergence.FINAL_METRIC, 3.03, "nats/token", "BF16 bf16", 3.0,
+                          info, "closer_to_1")
+    assert plot_convergence.final_deviations([final]) == {"fp4": pytest.approx(1.0)}
+    older = dict(curve_rows[0], run="2026-12-01T00:00:00Z", case="old")
+    assert {r["case"] for r in plot_convergence.rows_of_run(curve_rows + [older], None)} == {"bf16", "fp4"}
+    (tmp_path / "convergence_curves.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve_rows + [older]))
+    (tmp_path / "convergence.jsonl").write_text(json.dumps(final) + "\n")
+    assert plot_convergence.main(["--results", str(tmp_path), "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
