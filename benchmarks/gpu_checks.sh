@@ -17,6 +17,7 @@
 # work over two device calls,
 # e.g. CHECKS="bench_moe_cache profile_fp4_fp8 train_proxy" TRAIN_ITERS=200; TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
 # MEMCAP_CONFIGS (memcap_bf16_attn memcap_fp4_fp8_attn): the configs/proxy/ names run under their cap;
+# proxy_memory (benchmarks/bench_proxy_memory.py, the one-GPU memory-cap proxies) runs only when CHECKS names it;
 # MEGATRON_WHEEL_DIR (.whl): megatron-core wheels installed to /tmp/site when not importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,6 +70,11 @@ if ((GPUS == 2)); then
     mkdir -p runs
     MEMCAP_CONFIGS=${MEMCAP_CONFIGS:-memcap_bf16_attn memcap_fp4_fp8_attn}
     step memcap_capped bash -c "$(declare -f memcap); for c in $MEMCAP_CONFIGS; do memcap \$c; done"
+fi
+# The one-GPU memory-cap proxies (configs/proxy/memcap1_*.yaml, about 5 minutes): only when CHECKS names
+# proxy_memory.
+if [[ " ${CHECKS:-} " == *" proxy_memory "* ]]; then
+    step proxy_memory python3 -m benchmarks.bench_proxy_memory
 fi
 step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-60}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \
     --moe-fp4-experts fp8

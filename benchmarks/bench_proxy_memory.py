@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""The one-GPU memory-cap proxies (configs/proxy/memcap1_*.yaml) trained one after another through
+scripts/launch.py: which fit under the cap, each run's peak memory against `megatron-fp4
+estimate`, and tokens/s, as the paper's table compares BF16, FP8 and FP4 at three recompute scopes.
+
+    python -m benchmarks.bench_proxy_memory                         # the default runs, one GPU
+    python -m benchmarks.bench_proxy_memory --dry-run               # the runs, commands and estimates only
+    python -m benchmarks.bench_proxy_memory --runs memcap1_fp4_attn memcap1_fp8_attn:uncapped
+
+A run named CONFIG trains under the config's cluster.gpu_memory_gib (--enforce-memory-cap);
+CONFIG:uncapped on the whole GPU. The default runs: every precision at every scope under the cap,
+heaviest first, but BF16 and FP8 at the lightest scope (--every-capped adds those), then FP8 and
+BF16 at the lightest scope uncapped. A run that stops with CUDA out of memory counts as "does not
+fit"; one past --time-limit is stopped. Each run's output goes to RUNS_DIR/<config>_<capped|
+uncapped>.log (and the launcher's run directory next to it); the progress lines show its iterations
+and Megatron's memory reports.
+
+Read from each log: the last "[Rank 0] (after N iterations) memory (MB)" report (max allocated /
+max reserved: the run's peaks), tokens/s per GPU from the iteration lines after --warmup
+iterations (global batch x sequence length / elapsed time per iteration), and PyTorch's
+out-of-memory message. Rows: bench proxy_memory (max allocated against the estimate; the
+allocator's peak, or what it wanted at the OOM, against the cap; FP4's peak against FP8's at the
+same scope) and bench proxy_throughput (tokens/s against BF16 at the same scope; each precision's
+best fitting run under the cap against FP8's), appended to $MEGATRON_FP4_BENCH_RESULTS (default
+benchmarks/results/). A table of the runs ends the output. Exit status 0 when every run ended as
+trained or OOM, 1 otherwise (a refusal, a crash, a time-out).
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import proxy_log
+from benchmarks.proxy_rows import Estimate, measure, memory_rows, summary, throughput_rows
+from benchmarks.proxy_runs import REPO, default_runs, execute, launch_command, parse_run
+from benchmarks.rows import Recorder
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_proxy_memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", nargs="+", metavar="CONFIG[:uncapped]",
+                   help="configs/proxy/ names without .yaml, in order (default: the runs above)")
+    p.add_argument("--every-capped", action="store_true",
+                   help="default runs: also BF16 and FP8 at the lightest scope under the cap")
+    p.add_argument("--time-limit", type=float, default=150.0, metavar="S",
+                   help="seconds one run may take before it is stopped (default 150)")
+    p.add_argument("--train-iters", type=int, metavar="N", help="override the configs' train_iters (30)")
+    p.add_argument("--warmup", type=int, default=10, metavar="N",
+                   help="iterations left out of tokens/s (default 10; the configs log every 5)")
+    p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "proxy_memory",
+                   help="where the logs and run directories go (default runs/proxy_memory)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each run's launch command and estimate, start nothing, write no rows")
+    return p.parse_args(argv)
+
+
+def estimate_of(path: Path):
+    """The estimator's peak for the config (the installed package's memory), or None if it refuses."""
+    from megatron_fp4.estimator import EstimateError, estimate
+    from megatron_fp4.options import UnsupportedConfiguration
+
+    try:
+        e = estimate(path, "installed")
+    except (EstimateError, UnsupportedConfiguration) as err:
+        print(f"  estimate of {path.name}: {err}")
+        return None
+    return Estimate(peak_mib=e.peak_gib * 1024, fits=e.fits)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from megatron_fp4.console import quiet_third_party_notices
+    from megatron_fp4.run_config import load_config
+
+    quiet_third_party_notices()
+    try:
+        runs = [parse_run(text) for text in args.runs] if args.runs else default_runs(args.every_capped)
+    except ValueError as err:
+        print(f"error: {err}.", file=sys.stderr)
+        return 2
+    configs = {run.config: load_config(run.path) for run in runs}
+    estimates = {config: estimate_of(configs[config].path) for config in configs}
+    total = len(runs)
+    print(f"{total} runs, {args.time_limit:g} s each at most; logs in {args.runs_dir}")
+    measured = []
+    for n, run in enumerate(runs, 1):
+        config = configs[run.config]
+        cap = config.cluster.get("gpu_memory_gib")
+        e = estimates[run.config]
+        expected = "-" if e is None else f"{e.peak_mib / 1024:.2f} GiB estimated" + (
+            "" if not run.capped or e.fits is None else (", fits" if e.fits else ", over the cap"))
+        print(f"[{n}/{total}] {run} ({f'cap {cap:g} GiB' if run.capped else 'no cap'}; {expected})", flush=True)
+        if args.dry_run:
+            print("    " + " ".join(launch_command(run, args.train_iters)))
+            continue
+        started = time.monotonic()
+        result = execute(run, args.runs_dir / f"{run.name}.log", args.time_limit, args.train_iters,
+                         progress=lambda line: print(line, flush=True))
+        m = measure(result, cap, int(config.flags["seq_length"]), args.warmup, estimate=e)
+        measured.append(m)
+        detail = m.error if not m.trained else (
+            f"max allocated {m.max_allocated_mib} MiB, " if m.max_allocated_mib else "no memory report, ") + (
+            f"{m.tokens_per_s:.0f} tokens/s" if m.tokens_per_s else "no tokens/s")
+        print(f"    -> {m.outcome} in {time.monotonic() - started:.0f} s: {detail}", flush=True)
+    if args.dry_run:
+        return 0
+    memory, throughput = Recorder("proxy_memory", gpus=1), Recorder("proxy_throughput", gpus=1)
+    print(memory.description())
+    memory_rows(memory, measured)
+    throughput_rows(throughput, measured, args.warmup)
+    memory.write()
+    throughput.write()
+    print(summary(measured))
+    expected_endings = (proxy_log.TRAINED, proxy_log.OUT_OF_MEMORY)
+    return 0 if all(m.outcome in expected_endings for m in measured) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
