@@ -9,14 +9,23 @@ BF16 tensor (`set_save_original_input`: the attention output projection, and the
 recomputed LayerNorm). Routed experts see k*T rows per GPU (balanced routing: each GPU receives
 on average what it sends). Dropout is 0 in these configs, so no masks are kept.
 
+Our FP8 linears (--moe-fp4-linears fp8: attention projections, dense MLP, shared experts) keep
+only their own copy of their input: FP8 1x128 (1 byte + one fp32 scale per 128 elements), or MXFP4
+(K/2 + K/32 bytes per row) under --moe-fp4-storage all, which also keeps the dense-MLP and shared-
+expert SwiGLU inputs in MXFP4; a recomputed module (Megatron's recompute, `storage_rc`) keeps FP8 /
+BF16 there, so what its recompute restores in backward is counted in those formats.
+
 Each function returns {component: bytes}; `recompute` drops what Megatron recomputes.
 """
 
 from dataclasses import dataclass
 
-from .precision import FP8_128X128_BYTES, MXFP4_BYTES, Precision
+from .params import fp8_linear_copy_elements, fp8_linear_shapes
+from .precision import FP8_1X128_BYTES, FP8_128X128_BYTES, MXFP4_BYTES, Precision
 from .recompute import NONE, Recompute
 from .shapes import DENSE, MOE, ModelShape, Parallel
+
+ATTENTION = "self_attention"  # the attention projections outside mla_up_proj (only full recompute covers them)
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,7 @@ class Ctx:
     softmax_fp32: bool
     ce_bytes: float  # bytes per vocab entry the cross entropy saves (fp32 softmax: 4)
     bias: bool
+    storage_rc: Recompute | None = None  # the run's recompute, which decides MXFP4 storage (None: rc)
 
     @property
     def resid(self) -> float:
@@ -37,7 +47,31 @@ class Ctx:
         return self.tokens / (self.par.tp if self.par.sequence_parallel else 1)
 
     def with_recompute(self, rc: Recompute) -> "Ctx":
-        return Ctx(self.s, self.par, self.p, rc, self.tokens, self.rope, self.softmax_fp32, self.ce_bytes, self.bias)
+        """The same layer under another recompute, storing what the run's own recompute stores."""
+        return Ctx(self.s, self.par, self.p, rc, self.tokens, self.rope, self.softmax_fp32, self.ce_bytes, self.bias,
+                   self.storage_rc or self.rc)
+
+    def fp4_stored(self, module: str) -> bool:
+        """Whether `module`'s linear inputs and SwiGLU input are kept in MXFP4 (--moe-fp4-storage all):
+        not inside a recomputation (`moe` recompute covers the shared experts too)."""
+        rc = self.storage_rc or self.rc
+        if not self.p.fp4_storage_all or rc.granularity == "full":
+            return False
+        return module not in rc and not (module == "shared_experts" and "moe" in rc)
+
+    def linear_input(self, module: str) -> float:
+        """Bytes per element our FP8 linear of `module` keeps of its input."""
+        return MXFP4_BYTES if self.fp4_stored(module) else FP8_1X128_BYTES
+
+    def swiglu_input(self, module: str) -> float:
+        """Bytes per element of the dense-MLP / shared-expert SwiGLU input (the fc1 output)."""
+        return MXFP4_BYTES if self.s.swiglu and self.fp4_stored(module) else self.p.model_bytes
+
+    def fc2_input(self, module: str) -> float:
+        """Bytes per element fc2 of the dense MLP / shared experts keeps of its input."""
+        if self.p.fp8_linears:
+            return self.linear_input(module)
+        return self.p.gemm_input_bytes
 
 
 def _core_attention(c: Ctx, heads: float, v_dim: int) -> dict:
@@ -45,7 +79,7 @@ def _core_attention(c: Ctx, heads: float, v_dim: int) -> dict:
     if "core_attn" in c.rc:
         return {}
     b, s = c.s.micro_batch, c.s.seq_length // c.par.cp
-    if c.s.te:  # fused attention: output (bf16) and log-sum-exp (fp32)
+    if c.s.fused_attention:  # fused attention: output (bf16) and log-sum-exp (fp32)
         return {"attn_out_bf16": c.tokens * heads * v_dim * c.p.model_bytes, "attn_lse": c.tokens * heads * 4}
     probs = b * heads * s * s  # unfused: softmax probabilities [b, heads, s, s]
     per = c.p.model_bytes + (4 if c.softmax_fp32 else 0)  # fp32 softmax keeps its fp32 output too
@@ -59,7 +93,10 @@ def _output_projection_input(c: Ctx, attention: dict, features: float) -> dict:
     FP8 with any scaling recipe but 'delayed', Megatron has the projection save that original BF16
     tensor rather than its own FP8 copy (`set_save_original_input`; Transformer Engine >= 2.6,
     which Megatron also requires for FP8 with `layernorm` recompute), so nothing is added then.
+    Our FP8 linear keeps its own FP8 / MXFP4 copy in any case.
     """
+    if c.p.fp8_linears:
+        return {"proj_in": c.tokens * features * c.linear_input(ATTENTION)}
     saves_original = not c.p.fp8 or (c.s.te and c.p.fp8_recipe != "delayed")
     if saves_original and "attn_out_bf16" in attention:
         return {}
@@ -71,13 +108,15 @@ def standard_attention(c: Ctx) -> dict:
     s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
     heads, groups, d = s.heads / tp, s.query_groups / tp, s.head_dim
     out = {"layer_input": c.resid * s.hidden * mb}
-    if s.te:  # input layernorm fused into the QKV GEMM: it keeps its LN output itself
+    if c.p.fp8_linears:  # its own copy, whether the layernorm is recomputed or not
+        out["qkv_in"] = c.resid * s.hidden * c.linear_input(ATTENTION)
+    elif s.te:  # input layernorm fused into the QKV GEMM: it keeps its LN output itself
         out["qkv_in"] = c.resid * s.hidden * c.p.gemm_input_bytes
     elif "layernorm" not in c.rc:
         out["qkv_in"] = c.resid * s.hidden * mb
     # q, k, v are views into the fused QKV output; RoPE makes new q and k. Local attention repeats
     # k and v to every head under grouped-query attention (new tensors), fused attention does not.
-    repeat = not s.te and s.query_groups != s.heads
+    repeat = not s.fused_attention and s.query_groups != s.heads
     if repeat:
         out["k_v_repeated"] = 2 * T * heads * d * mb
     if not repeat or not c.rope:  # a view (v, or q without RoPE) keeps the QKV output alive
@@ -96,16 +135,20 @@ def mla_attention(c: Ctx) -> dict:
     heads = s.heads / tp
     q_head = s.qk_head_dim + s.qk_rope_dim
     out = {"layer_input": c.resid * s.hidden * mb}
-    if "layernorm" not in c.rc:  # input layernorm output, read by the q and kv down-projections
+    if c.p.fp8_linears:  # the q and kv down-projections' own copies, whether the layernorm is recomputed or not
+        out["down_in"] = 2 * c.resid * s.hidden * c.linear_input(ATTENTION)
+    elif "layernorm" not in c.rc:  # input layernorm output, read by the q and kv down-projections
         out["down_in"] = c.resid * s.hidden * (2 * c.p.fp8_act_bytes if c.p.fp8 else mb)
     compressed = T * ((s.q_lora_rank or 0) + s.kv_lora_rank + s.qk_rope_dim) * mb
     up = "mla_up_proj" not in c.rc
-    if s.qk_layernorm or not up or not c.p.fp8:
+    own_copies = c.p.fp8 or c.p.fp8_linears  # the up-projections keep their own FP8 / MXFP4 inputs
+    if s.qk_layernorm or not up or not own_copies:
         # the up-projections' input (or their LayerNorms' input, or the recompute's checkpoint input)
         out["q_kv_compressed"] = compressed
     if up:
-        if s.qk_layernorm or c.p.fp8:  # LayerNorm outputs, or the FP8 GEMMs' own copies of their inputs
-            out["up_in"] = T * ((s.q_lora_rank or 0) + s.kv_lora_rank) * c.p.gemm_input_bytes
+        if s.qk_layernorm or own_copies:  # LayerNorm outputs, or the FP8 GEMMs' own copies of their inputs
+            per = c.linear_input("mla_up_proj") if c.p.fp8_linears else c.p.gemm_input_bytes
+            out["up_in"] = T * ((s.q_lora_rank or 0) + s.kv_lora_rank) * per
         out["q"] = T * heads * q_head * mb
         out["k"] = T * heads * q_head * mb
         out["v"] = T * heads * s.v_head_dim * mb
@@ -119,14 +162,16 @@ def dense_mlp(c: Ctx) -> dict:
     ffn = s.ffn_hidden / tp
     out = {"mlp_input": c.resid * s.hidden * mb}
     recompute = "mlp" in c.rc
-    if s.te:  # pre-MLP layernorm fused into fc1: fc1 keeps the LN output
+    if c.p.fp8_linears and not recompute:  # fc1's own copy, whether the layernorm is recomputed or not
+        out["fc1_in"] = c.resid * s.hidden * c.linear_input("mlp")
+    elif s.te and not c.p.fp8_linears:  # pre-MLP layernorm fused into fc1: fc1 keeps the LN output
         if not recompute:
             out["fc1_in"] = c.resid * s.hidden * c.p.gemm_input_bytes
     elif "layernorm" not in c.rc:
         out["fc1_in"] = c.resid * s.hidden * mb  # also the mlp checkpoint's input
     if not recompute:
-        out["fc1_out"] = T * s.fc1_factor * ffn * mb
-        out["fc2_in"] = T * ffn * (c.p.gemm_input_bytes if c.p.fp8 else mb)
+        out["fc1_out"] = T * s.fc1_factor * ffn * c.swiglu_input("mlp")
+        out["fc2_in"] = T * ffn * c.fc2_input("mlp")
     return out
 
 
@@ -153,16 +198,20 @@ def moe_mlp(c: Ctx) -> dict:
     out["routing_indices"] = rows * 8
     if s.shared_ffn_hidden and "shared_experts" not in c.rc:
         fs = s.shared_ffn_hidden / tp
-        if p.fp8 and not ln_dropped:
+        if p.fp8_linears:  # its own copy, whether the layernorm is recomputed or not
+            out["shared_fc1_in"] = c.resid * h * c.linear_input("shared_experts")
+        elif p.fp8 and not ln_dropped:
             out["shared_fc1_in"] = c.resid * h * p.fp8_act_bytes
-        out["shared_fc1_out"] = c.tokens * s.fc1_factor * fs * mb
-        out["shared_fc2_in"] = c.tokens * fs * (p.gemm_input_bytes if p.fp8 else mb)
+        out["shared_fc1_out"] = c.tokens * s.fc1_factor * fs * c.swiglu_input("shared_experts")
+        out["shared_fc2_in"] = c.tokens * fs * c.fc2_input("shared_experts")
     fm = s.moe_ffn_hidden / c.par.etp
     fp4 = p.fp4_experts
-    out["expert_fc1_in"] = rows * h * (MXFP4_BYTES if p.fp4_expert_input else p.gemm_input_bytes)
+    # Our FP8 experts without a payload (the FP8 baseline) keep their three tensors in BF16.
+    gemm_input = mb if p.fp8_experts else p.gemm_input_bytes
+    out["expert_fc1_in"] = rows * h * (MXFP4_BYTES if p.fp4_expert_input else gemm_input)
     out["expert_fc1_out"] = rows * s.fc1_factor * fm * (MXFP4_BYTES if fp4 else mb)
     if "moe_act" not in c.rc:
-        out["expert_fc2_in"] = rows * fm * (MXFP4_BYTES if fp4 else p.gemm_input_bytes)
+        out["expert_fc2_in"] = rows * fm * (MXFP4_BYTES if fp4 else gemm_input)
     out["expert_probs"] = rows * 4
     return out
 
@@ -211,7 +260,9 @@ def backward_working_set(c: Ctx, kind: str) -> float:
     extra = 0.0
     if kind == MOE:
         largest = max(largest, expert_rows(c) * c.s.hidden * c.p.model_bytes)
-        if c.p.expert_weights_per_use:  # all local experts' fc1 weights in FP8 at once (one launch)
+        if c.p.weights_per_use and c.p.fp8_experts:  # all local experts' fc1 weights in FP8 at once (one launch)
             local_experts = c.s.experts / c.par.local_experts_divisor
             extra = local_experts * c.s.fc1_factor * c.s.moe_ffn_hidden * c.s.hidden * FP8_128X128_BYTES
+    if c.p.weights_per_use and c.p.fp8_linears:  # one linear's FP8 weight at a time
+        extra = max(extra, max(fp8_linear_copy_elements(x) for x in fp8_linear_shapes(c.s, kind)) * FP8_128X128_BYTES)
     return sum(full.values()) - sum(saved.values()) + 2 * largest + extra

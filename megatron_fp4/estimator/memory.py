@@ -38,6 +38,7 @@ class RankMemory:
     held: list[int]  # micro-batches held per model chunk at the worst point
     chunk_bytes: list[float]  # one micro-batch's saved activations per chunk
     components: dict[str, float] = field(default_factory=dict)  # one micro-batch, whole rank
+    held_components: dict[str, float] = field(default_factory=dict)  # `activations` by component
 
     @property
     def peak(self) -> float:
@@ -100,10 +101,12 @@ def rank_memory(args, c: act.Ctx, rank: int, workspace: float) -> RankMemory:
     counts = rank_params(s, par, rank, c.bias)
     static = static_memory(args, counts, c.p, par.dp, par.edp, workspace)
     components: dict[str, float] = {}
-    for p in parts:
+    held_components: dict[str, float] = {}
+    for p, n in zip(parts, held):
         for key, value in p.items():
             components[key] = components.get(key, 0) + value
-    return RankMemory(rank, static, held_bytes, transient, held, chunk_bytes, components)
+            held_components[key] = held_components.get(key, 0) + n * value
+    return RankMemory(rank, static, held_bytes, transient, held, chunk_bytes, components, held_components)
 
 
 def make_ctx(args, s: ModelShape, par: Parallel, p: Precision, rc: Recompute) -> act.Ctx:
@@ -120,7 +123,7 @@ def make_ctx(args, s: ModelShape, par: Parallel, p: Precision, rc: Recompute) ->
 def workspace_bytes(c: act.Ctx) -> float:
     """Megatron's local (unfused) attention takes its [b*heads, s, s] score buffer from a global
     buffer that is allocated once and kept."""
-    if c.s.te:
+    if c.s.fused_attention:
         return 0.0
     s = c.s.seq_length // c.par.cp
     return c.s.micro_batch * c.s.heads / c.par.tp * s * s * c.p.model_bytes

@@ -5,10 +5,15 @@ FP8 GEMMs (Transformer Engine keeps FP8 copies of those).
 
 Counts follow the modules Megatron-Core builds (megatron/core/transformer/*): biases only with
 add_bias_linear, RMSNorm has a weight, LayerNorm a weight and a bias.
+
+Our FP8 linears (--moe-fp4-linears fp8, TP 1) keep FP8 copies of their weights padded to multiples
+of 128 in both dimensions (MLA's kv down-projection: 576 output features -> 640):
+`fp8_linear_padded` counts those padded elements.
 """
 
 from dataclasses import dataclass
 
+from ..formats import FP8_BLOCK
 from .shapes import DENSE, EMBEDDING, LOSS, MOE, MTP, ModelShape, Parallel
 
 
@@ -18,12 +23,16 @@ class ParamCount:
     expert: float = 0.0  # routed-expert parameters: optimizer state sharded over expert-DP
     dense_gemm: float = 0.0  # of `dense`: weights of Transformer Engine GEMMs (FP8 copies under FP8)
     expert_gemm: float = 0.0
+    fp8_linear: float = 0.0  # of `dense_gemm`: weights of the linears --moe-fp4-linears fp8 replaces
+    fp8_linear_padded: float = 0.0  # the same, padded to 128 x 128 blocks (their FP8 copies' elements)
 
     def __iadd__(self, other):
         self.dense += other.dense
         self.expert += other.expert
         self.dense_gemm += other.dense_gemm
         self.expert_gemm += other.expert_gemm
+        self.fp8_linear += other.fp8_linear
+        self.fp8_linear_padded += other.fp8_linear_padded
         return self
 
     @property
@@ -37,6 +46,38 @@ def _gemm(n: float) -> ParamCount:
 
 def _plain(n: float) -> ParamCount:
     return ParamCount(dense=n)
+
+
+def _padded(n: int) -> int:
+    return -(-n // FP8_BLOCK) * FP8_BLOCK
+
+
+def fp8_linear_shapes(s: ModelShape, kind: str) -> list[tuple[int, int]]:
+    """(output features, input features) of each linear of one decoder layer that our FP8 linears
+    replace (TP 1): the attention projections, the dense MLP's fc1 / fc2 or the shared experts'."""
+    h = s.hidden
+    if s.mla:
+        q_head = s.qk_head_dim + s.qk_rope_dim
+        q = [(s.q_lora_rank, h), (s.heads * q_head, s.q_lora_rank)] if s.q_lora_rank else [(s.heads * q_head, h)]
+        out = q + [(s.kv_lora_rank + s.qk_rope_dim, h), (s.heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank),
+                   (h, s.heads * s.v_head_dim)]
+    else:
+        out = [((s.heads + 2 * s.query_groups) * s.head_dim, h), (h, s.heads * s.head_dim)]
+    ffn = s.ffn_hidden if kind == DENSE else s.shared_ffn_hidden
+    if ffn:
+        out += [(s.fc1_factor * ffn, h), (h, ffn)]
+    return out
+
+
+def fp8_linear_copy_elements(shape: tuple[int, int]) -> int:
+    """Elements of one FP8 copy (W or W^T) of a linear's weight, both dimensions padded to 128."""
+    return _padded(shape[0]) * _padded(shape[1])
+
+
+def _fp8_linears(s: ModelShape, kind: str) -> ParamCount:
+    shapes = fp8_linear_shapes(s, kind)
+    return ParamCount(fp8_linear=sum(n * k for n, k in shapes),
+                      fp8_linear_padded=sum(fp8_linear_copy_elements(x) for x in shapes))
 
 
 def attention_params(s: ModelShape, tp: int, bias: bool) -> ParamCount:
@@ -76,6 +117,7 @@ def layer_params(s: ModelShape, par: Parallel, kind: str, bias: bool) -> ParamCo
     h = s.hidden
     out = attention_params(s, par.tp, bias)
     out += _plain(2 * h * s.norm_params)  # input and pre-MLP layer norms
+    out += _fp8_linears(s, kind)
     if kind == DENSE:
         out += mlp_params(h, s.ffn_hidden, s.fc1_factor, par.tp, bias)
         return out

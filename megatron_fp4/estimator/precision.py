@@ -1,22 +1,21 @@
 """Which precision a config trains in, and the bytes per element each kind of saved tensor costs.
 
-- bf16: no `fp8_format`, no `moe_fp4_dispatch`.
-- fp8: `fp8_format` set: Transformer Engine FP8 GEMMs (DeepSeek-style blockwise: 1x128 activation
-  blocks, 128x128 weight blocks, fp32 scales).
-- fp4: `moe_fp4_dispatch: true` (GEMMs in FP8 when `fp8_format` is set too, as in the paper's
-  recipe and configs/deepseek_v3_671b/fp4.yaml; BF16 otherwise). Two memory models, because the
-  installed package does not yet deliver everything the paper's recipe does:
-  - "recipe" (arXiv 2603.02731): the routed tokens dispatched in MXFP4, the experts' saved
-    activations (dispatched tokens, SwiGLU input, fc2 input) kept in MXFP4, and under `moe`
-    recompute the received payload cached so that the recompute does not dispatch again;
-  - "installed" (this package today): the dispatch all-to-all carries MXFP4, but the payload is
-    dequantized to BF16 before Megatron's own experts, so the saved activations are those of the
-    baseline precision (bf16, or fp8 if `fp8_format` is also set). With `moe_fp4_cache` and `moe`
-    recompute it also keeps the received MXFP4 payload for the recompute.
-  With `moe_fp4_experts: fp8` (our FP8 experts keep those three tensors in MXFP4) "installed"
-  follows the recipe for them, and the routed experts' FP8 weights are transient (quantized per
-  use) instead of two copies cached for the step; with `moe_fp4_saved_input` (BF16 experts) it
-  follows the recipe for the dispatched tokens.
+- bf16: none of the switches below.
+- fp8: `fp8_format` set (Transformer Engine FP8 GEMMs, DeepSeek-style blockwise: 1x128 activation
+  blocks, 128x128 weight blocks, fp32 scales), or our FP8 layers without the FP4 dispatch:
+  `moe_fp4_linears: fp8` (attention projections, dense MLP, shared experts) and / or
+  `moe_fp4_experts: fp8` (routed experts; without a payload they quantize the BF16 dispatch and
+  keep their three activations in BF16, as megatron_fp4/experts/function.py does). That is the
+  FP8 baseline of configs/deepseek_v3_671b/fp8.yaml.
+- fp4: `moe_fp4_dispatch: true`. Two memory models:
+  - "recipe" (arXiv 2603.02731, DESIGN §7): the paper's whole recipe, whatever else the config
+    sets: the routed tokens dispatched in MXFP4, our FP8 experts fed from the payload (their three
+    activations in MXFP4), our FP8 linears with every saved input and the dense-MLP / shared-expert
+    SwiGLU inputs in MXFP4 (`moe_fp4_storage: all`), FP8 weight copies cached for the step, and
+    under `moe` recompute the received payload cached (no second dispatch);
+  - "installed": what the config's flags switch on in this package (the flags above,
+    `moe_fp4_storage`, `moe_fp4_cache`, `moe_fp4_saved_input`, `moe_fp4_weights_per_use`). The
+    paper's FP4 configs set all of them, so there the two rows agree.
 """
 
 from dataclasses import dataclass
@@ -41,25 +40,31 @@ def dtype_bytes(value) -> float:
 class Precision:
     name: str  # "bf16", "fp8" or "fp4" (the config's precision)
     model_bytes: int  # params / activations in the model dtype (bf16: 2)
-    fp8: bool  # GEMMs in FP8 through Transformer Engine
-    fp8_act_bytes: float  # bytes/element of an FP8 GEMM input saved for backward
+    fp8: bool  # GEMMs in FP8 through Transformer Engine (`fp8_format`)
+    fp8_act_bytes: float  # bytes/element of a Transformer Engine FP8 GEMM input saved for backward
     fp8_recipe: str  # Transformer Engine's scaling recipe ("blockwise", "delayed", ...); unused without fp8
-    fp8_weight_bytes: float  # bytes/element of one FP8 copy of a weight
+    fp8_weight_bytes: float  # bytes/element of one Transformer Engine FP8 copy of a weight
     fp4_dispatch: bool  # the dispatch all-to-all carries MXFP4 rows
     fp4_experts: bool  # expert activations (dispatched tokens, SwiGLU input, fc2 input) kept in MXFP4
     fp4_cache: bool  # with `moe` recompute, the received MXFP4 payload is kept for the recompute
     grad_wire: str  # format of the dispatch gradient all-to-all: "bf16" or "fp8"
     fp4_expert_input: bool = False  # the experts' saved input (dispatched tokens) kept in MXFP4
-    # Our FP8 experts (installed, --moe-fp4-experts fp8) keep two FP8 copies (128x128 blocks) of the
-    # routed experts' weights for the step, as Transformer Engine does for its FP8 GEMMs, also in a
-    # run whose other GEMMs are BF16; with --moe-fp4-weights-per-use they quantize them per use instead,
-    # one linear's experts at a time.
-    fp8_experts_installed: bool = False
-    expert_weights_per_use: bool = False
+    # Our FP8 experts (--moe-fp4-experts fp8): fed from the payload they keep MXFP4 (fp4_experts);
+    # without one (the FP8 baseline) their saved tokens, SwiGLU input and fc2 input are BF16.
+    fp8_experts: bool = False
+    # Our FP8 linears (--moe-fp4-linears fp8): each keeps only its input, FP8 1x128 (or MXFP4 under
+    # fp4_storage_all outside recomputed modules).
+    fp8_linears: bool = False
+    fp4_storage_all: bool = False  # --moe-fp4-storage all: linear inputs and dense / shared SwiGLU inputs in MXFP4
+    # Our FP8 experts and linears keep two FP8 copies (128x128 blocks) of their weights for the step,
+    # as Transformer Engine does, also in a run whose other GEMMs are BF16; with
+    # --moe-fp4-weights-per-use they quantize them per use instead, one linear at a time.
+    weights_per_use: bool = False
 
     @property
     def gemm_input_bytes(self) -> float:
-        """What a GEMM keeps of its input for the weight gradient."""
+        """What a GEMM of the baseline (Megatron's or Transformer Engine's) keeps of its input for
+        the weight gradient."""
         return self.fp8_act_bytes if self.fp8 else self.model_bytes
 
 
@@ -71,8 +76,20 @@ def _fp8_bytes(recipe: str) -> tuple:
     return 1.0, 1.0  # delayed / tensorwise: one scale per tensor
 
 
+def _switches(args, recipe: bool) -> dict:
+    """Our flags as the memory model reads them; `recipe`: the paper's whole recipe instead."""
+    if recipe:  # the payload cached where there is a `moe` recompute to replay it (as --moe-fp4-cache asks)
+        moe_recompute = args.recompute_granularity == "selective" and "moe" in (args.recompute_modules or ())
+        return {"experts": "fp8", "linears": "fp8", "storage": "all", "cache": moe_recompute, "saved_input": False,
+                "weights_per_use": False}
+    return {"experts": getattr(args, "moe_fp4_experts", "bf16"), "linears": getattr(args, "moe_fp4_linears", "bf16"),
+            "storage": getattr(args, "moe_fp4_storage", "experts"), "cache": bool(getattr(args, "moe_fp4_cache", False)),
+            "saved_input": bool(getattr(args, "moe_fp4_saved_input", False)),
+            "weights_per_use": bool(getattr(args, "moe_fp4_weights_per_use", False))}
+
+
 def precision_of(args, mode: str = "recipe") -> Precision:
-    """mode: "recipe" (the paper's FP4 recipe) or "installed" (what this package delivers now).
+    """mode: "recipe" (the paper's FP4 recipe) or "installed" (what the config's flags switch on).
     Both are the same for bf16 and fp8 configs."""
     if mode not in ("recipe", "installed"):
         raise ValueError(f"mode must be recipe or installed, got {mode!r}")
@@ -80,13 +97,19 @@ def precision_of(args, mode: str = "recipe") -> Precision:
     fp8 = bool(args.fp8)
     recipe = args.fp8_recipe if args.fp8 else "blockwise"
     act, weight = _fp8_bytes(recipe)
-    installed_experts = getattr(args, "moe_fp4_experts", "bf16") == "fp8"  # FP8Experts save MXFP4
-    cache = bool(getattr(args, "moe_fp4_cache", False))
+    flags = _switches(args, fp4 and mode == "recipe")
+    ours_experts = flags["experts"] == "fp8"
+    ours_linears = flags["linears"] == "fp8"
     # --moe-fp4-saved-input swaps the BF16 input slices Megatron's own experts save for the payload;
     # Transformer Engine's FP8 experts save their own FP8 copy, which it leaves alone.
-    saved_input = bool(getattr(args, "moe_fp4_saved_input", False)) and not fp8
+    saved_input = flags["saved_input"] and not fp8
     model_bytes = 4 if not (args.bf16 or args.fp16) else 2
-    name = "fp4" if fp4 else ("fp8" if args.fp8 else ("bf16" if model_bytes == 2 else "fp32"))
+    if fp4:
+        name = "fp4"
+    elif fp8 or ours_experts or ours_linears:
+        name = "fp8"
+    else:
+        name = "bf16" if model_bytes == 2 else "fp32"
     return Precision(
         name=name,
         model_bytes=model_bytes,
@@ -95,11 +118,12 @@ def precision_of(args, mode: str = "recipe") -> Precision:
         fp8_recipe=recipe,
         fp8_weight_bytes=weight,
         fp4_dispatch=fp4,
-        fp4_experts=fp4 and (mode == "recipe" or installed_experts),
-        fp4_cache=fp4 and (mode == "recipe" or cache),
-        fp4_expert_input=fp4 and (mode == "recipe" or installed_experts or saved_input),
+        fp4_experts=fp4 and ours_experts,
+        fp4_cache=fp4 and flags["cache"],
+        fp4_expert_input=fp4 and (ours_experts or saved_input),
         grad_wire=getattr(args, "moe_fp4_dispatch_grad", "bf16") if fp4 else "bf16",
-        fp8_experts_installed=mode == "installed" and installed_experts,
-        expert_weights_per_use=mode == "installed" and installed_experts
-        and bool(getattr(args, "moe_fp4_weights_per_use", False)),
+        fp8_experts=ours_experts,
+        fp8_linears=ours_linears,
+        fp4_storage_all=ours_linears and flags["storage"] == "all",
+        weights_per_use=(ours_experts or ours_linears) and flags["weights_per_use"],
     )

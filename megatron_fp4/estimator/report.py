@@ -7,10 +7,12 @@ from pathlib import Path
 from .core import GIB, Estimate
 
 # The two memory rows of an fp4 config (the table's note and `estimate --help` say it alike).
-FP4_MEMORY_ROWS = ("'recipe' = the paper's FP4 recipe (expert activations kept in MXFP4, dispatch cached for `moe` "
-                   "recompute); 'installed' = what the config's flags switch on in this package (MXFP4 on the wire; "
-                   "with --moe-fp4-experts fp8 the expert activations in MXFP4 and two FP8 copies of the expert "
-                   "weights for the step, none with --moe-fp4-weights-per-use, else the baseline's; the dispatch "
+FP4_MEMORY_ROWS = ("'recipe' = the paper's whole FP4 recipe (FP8 experts and FP8 linears, the expert activations, "
+                   "every linear's saved input and the SwiGLU inputs kept in MXFP4 outside recomputed modules, two "
+                   "FP8 copies of their weights for the step, dispatch cached for `moe` recompute); 'installed' = "
+                   "what the config's flags switch on in this package (MXFP4 on the wire; --moe-fp4-experts fp8: "
+                   "expert activations in MXFP4; --moe-fp4-linears fp8: FP8-saved linear inputs, MXFP4 with "
+                   "--moe-fp4-storage all; their FP8 weight copies unless --moe-fp4-weights-per-use; the dispatch "
                    "cache only with --moe-fp4-cache).")
 COLUMNS = ("config", "prec", "fp4 memory", "recompute", "weights", "grads", "optim", "activ", "transient",
            "peak GiB", "% GPU", "fits", "a2a GB/step")
@@ -27,7 +29,8 @@ def row(e: Estimate) -> list[str]:
     fits = "-" if e.fits is None else ("fits" if e.fits else "OOM")
     percent = "-" if e.fraction is None else f"{100 * e.fraction:.1f}"
     mode = e.mode if e.precision.name == "fp4" else ""
-    return [display_name(e.config), e.precision.name, mode, e.recompute.label(),
+    marks = "*" if e.assumptions else ""
+    return [display_name(e.config) + marks, e.precision.name, mode, e.recompute.label(),
             f"{r.static.weights / GIB:.2f}", f"{r.static.grads / GIB:.2f}", f"{r.static.optimizer / GIB:.2f}",
             f"{r.activations / GIB:.2f}", f"{(r.transient + r.static.workspace) / GIB:.2f}",
             f"{e.peak_gib:.2f}", percent, fits, f"{e.a2a.total / 1e9:.1f}"]
@@ -46,6 +49,9 @@ def table(estimates: list[Estimate]) -> str:
               "same GPU sends per step (dispatch + combine, forward + backward, recompute included).")]
     if any(e.precision.name == "fp4" for e in estimates):
         notes.append("fp4 memory: " + FP4_MEMORY_ROWS)
+    assumptions = sorted({a for e in estimates for a in e.assumptions})
+    if assumptions:
+        notes.append("* " + "; ".join(assumptions))
     overrides = {k: v for e in estimates for k, v in e.overrides.items()}
     if overrides:
         notes.append("overrides: " + ", ".join(f"{k}={v}" for k, v in overrides.items()))
@@ -54,13 +60,13 @@ def table(estimates: list[Estimate]) -> str:
 
 def detail(e: Estimate) -> str:
     r = e.peak_rank
-    lines = [f"{display_name(e.config)} ({e.precision.name}{', ' + e.mode if e.precision.name == 'fp4' else ''}): "
+    lines = [f"{display_name(e.config)}{'*' if e.assumptions else ''} ({e.precision.name}{', ' + e.mode if e.precision.name == 'fp4' else ''}): "
              f"peak rank {r.rank}, micro-batches held per chunk {r.held}, per-rank peaks GiB "
              + " ".join(f"{x.peak / GIB:.1f}" for x in e.ranks),
-             "  one micro-batch of this rank's chunks, GiB:"]
+             "  saved activations by tensor, GiB: one micro-batch of this rank's chunks | held at the peak"]
     for key, value in sorted(r.components.items(), key=lambda kv: -kv[1]):
         if value / GIB >= 0.0005:
-            lines.append(f"    {key:32s} {value / GIB:8.3f}")
+            lines.append(f"    {key:32s} {value / GIB:8.3f} {r.held_components[key] / GIB:9.2f}")
     return "\n".join(lines)
 
 

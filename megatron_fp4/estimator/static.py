@@ -4,9 +4,10 @@
   Engine caches each GEMM weight quantized for the step, once row-wise (forward) and once
   column-wise / transposed (data gradient): 2 more FP8 bytes per GEMM weight. With
   `fp8_param_gather` the FP8 copies are the primary weights and the bf16 ones are gone. Our FP8
-  experts (`moe_fp4_experts: fp8`, installed) keep the same two copies of the routed experts'
-  weights (128x128 blocks), quantized once per optimizer step, in a BF16 run too, unless
-  `moe_fp4_weights_per_use` (then they are transient: activations.py).
+  experts (`moe_fp4_experts: fp8`) and FP8 linears (`moe_fp4_linears: fp8`) keep the same two
+  copies of their weights (W and W^T, 128x128 blocks, padded to multiples of 128), quantized at a
+  step's first forward and held to the next step's, in a run without Transformer Engine too,
+  unless `moe_fp4_weights_per_use` (then they are transient: activations.py).
 - Gradients: Megatron's DDP accumulates and reduces main gradients in `main_grads_dtype` (fp32 for
   bf16 training: 4 bytes/param), one contiguous buffer.
 - Optimizer (Adam): an fp32 master copy (`main_params_dtype`) and the two moments (`exp_avg_dtype`,
@@ -51,13 +52,17 @@ def optimizer_bytes_per_param(args) -> float:
 
 def static_memory(args, counts: ParamCount, p: Precision, dp: int, edp: int, workspace: float = 0.0) -> Static:
     weights = counts.total * p.model_bytes
-    if p.fp8:
-        gemm = counts.dense_gemm + (0 if p.fp8_experts_installed else counts.expert_gemm)
+    if p.fp8:  # Transformer Engine's GEMMs: those not replaced by ours
+        gemm = (counts.dense_gemm - (counts.fp8_linear if p.fp8_linears else 0)
+                + (0 if p.fp8_experts else counts.expert_gemm))
         if args.fp8_param_gather:
             weights -= gemm * p.model_bytes  # the FP8 copies are the parameters
         weights += 2 * gemm * p.fp8_weight_bytes
-    if p.fp8_experts_installed and not p.expert_weights_per_use:  # megatron_fp4/experts/weight_cache.py
-        weights += 2 * counts.expert_gemm * FP8_128X128_BYTES
+    if not p.weights_per_use:  # megatron_fp4/experts/weight_cache.py and the linears' own
+        if p.fp8_experts:
+            weights += 2 * counts.expert_gemm * FP8_128X128_BYTES
+        if p.fp8_linears:
+            weights += 2 * counts.fp8_linear_padded * FP8_128X128_BYTES
     grads = counts.total * dtype_bytes(args.main_grads_dtype)
     per = optimizer_bytes_per_param(args)
     if args.use_distributed_optimizer:

@@ -100,7 +100,14 @@ def test_671b_configs_are_the_recipe():
         assert (args.pipeline_model_parallel_size, args.expert_model_parallel_size) == (8, 32)
         precision = name.split("_")[0]
         assert args.moe_fp4_dispatch is (precision == "fp4")
-        assert (args.fp8_recipe == "blockwise") is (precision in ("fp8", "fp4"))
+        # FP8 and FP4: our FP8 linears and experts on Megatron's local layers (no Transformer Engine
+        # FP8); FP4 adds MXFP4 storage everywhere (the paper's recipe).
+        ours = precision in ("fp8", "fp4")
+        assert args.fp8 is None
+        assert (args.moe_fp4_linears == "fp8", args.moe_fp4_experts == "fp8", args.transformer_impl == "local") == (
+            ours, ours, ours)
+        assert (args.moe_fp4_storage == "all") is (precision == "fp4")
+        assert args.moe_fp4_cache is (name == "fp4_attn_ln_moe")
 
 
 PROXY_PRECISIONS = {"bf16": FP4Options(), "fp4": FP4Options(dispatch=True),

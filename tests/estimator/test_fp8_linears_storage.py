@@ -1,0 +1,163 @@
+"""The estimator's model of --moe-fp4-linears fp8 and --moe-fp4-storage all (DESIGN §7, issue 17):
+what our FP8 linears, the dense-MLP / shared-expert SwiGLUs and the FP8 experts keep for backward,
+their FP8 weight copies, and the 671B configs' fits / OOM pattern. Expected bytes are written out
+from the shapes, not copied from the estimator."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_fp4.estimator import estimate
+from megatron_fp4.estimator.activations import Ctx, dense_mlp, moe_mlp
+from megatron_fp4.estimator.params import fp8_linear_copy_elements, fp8_linear_shapes
+from megatron_fp4.estimator.recompute import NONE
+from megatron_fp4.estimator.shapes import MOE
+
+ROOT = Path(__file__).resolve().parents[2]
+DSV3 = ROOT / "configs" / "deepseek_v3_671b"
+MEMCAP = ROOT / "configs" / "proxy" / "memcap_bf16_attn.yaml"
+SCOPES = ("attn_ln_moe", "attn_ln_mlp", "mla_up_proj")
+
+# memcap_base.yaml on one GPU of its two (PP 1): standard attention (16 heads of 64, no GQA), RoPE,
+# 8 x 1024 tokens per micro-batch, 1 dense layer (FFN 2816) + 5 MoE layers + 1 MoE MTP layer, shared
+# expert 512, 16 experts of 2048 top-8 over EP 2, SwiGLU, no biases.
+T, H, FFN, SHARED, MOE_FFN, TOPK, LOCAL_EXPERTS, MOE_LAYERS = 8 * 1024, 1024, 2816, 512, 2048, 8, 8, 5
+ROWS = T * TOPK
+FP8_LINEARS = {"moe_fp4_linears": "fp8", "moe_fp4_experts": "fp8"}  # the FP8 baseline
+FP4_ALL = {**FP8_LINEARS, "moe_fp4_dispatch": True, "moe_fp4_storage": "all"}  # the paper's recipe
+FP8_WEIGHT = 1 + 4 / (128 * 128)  # bytes per element of a 128x128-block FP8 copy
+
+
+def fp8_row(k):
+    """A K-wide row in FP8 1x128 blocks: 1 byte per element + one fp32 scale per 128."""
+    return k + 4 * k / 128
+
+
+def mxfp4_row(k):
+    """A K-wide row in MXFP4: K/2 bytes of E2M1 pairs + one E8M0 byte per 32."""
+    return k / 2 + k / 32
+
+
+def components(overrides, mode="installed"):
+    return estimate(MEMCAP, mode, overrides).peak_rank.components
+
+
+def test_fp8_linears_keep_fp8_inputs_and_bf16_swiglu_inputs():
+    c = components(FP8_LINEARS)
+    assert c["dense.qkv_in"] == T * fp8_row(H)
+    assert c["dense.proj_in"] == T * fp8_row(16 * 64)
+    assert c["dense.fc1_in"] == T * fp8_row(H)
+    assert c["dense.fc1_out"] == T * 2 * FFN * 2  # SwiGLU input: BF16
+    assert c["dense.fc2_in"] == T * fp8_row(FFN)
+    assert c["moe.qkv_in"] == MOE_LAYERS * T * fp8_row(H)
+    assert c["moe.shared_fc1_in"] == MOE_LAYERS * T * fp8_row(H)
+    assert c["moe.shared_fc1_out"] == MOE_LAYERS * T * 2 * SHARED * 2
+    assert c["moe.shared_fc2_in"] == MOE_LAYERS * T * fp8_row(SHARED)
+    # Our FP8 experts without the FP4 dispatch keep BF16 tokens, SwiGLU input and fc2 input.
+    assert c["moe.expert_fc1_in"] == MOE_LAYERS * ROWS * H * 2
+    assert c["moe.expert_fc1_out"] == MOE_LAYERS * ROWS * 2 * MOE_FFN * 2
+    assert c["moe.expert_fc2_in"] == MOE_LAYERS * ROWS * MOE_FFN * 2
+    assert c["mtp.shared_fc2_in"] == T * fp8_row(SHARED)  # the MTP layer's own MoE layer
+
+
+def test_storage_all_keeps_every_linear_and_swiglu_input_in_mxfp4():
+    c = components(FP4_ALL)
+    assert c["dense.qkv_in"] == c["dense.fc1_in"] == T * mxfp4_row(H)
+    assert c["dense.proj_in"] == T * mxfp4_row(16 * 64)
+    assert c["dense.fc1_out"] == T * mxfp4_row(2 * FFN)
+    assert c["dense.fc2_in"] == T * mxfp4_row(FFN)
+    assert c["moe.shared_fc1_in"] == MOE_LAYERS * T * mxfp4_row(H)
+    assert c["moe.shared_fc1_out"] == MOE_LAYERS * T * mxfp4_row(2 * SHARED)
+    assert c["moe.shared_fc2_in"] == MOE_LAYERS * T * mxfp4_row(SHARED)
+    assert c["moe.expert_fc1_in"] == MOE_LAYERS * ROWS * mxfp4_row(H)  # the received payload
+    assert c["moe.expert_fc1_out"] == MOE_LAYERS * ROWS * mxfp4_row(2 * MOE_FFN)
+    assert c["moe.expert_fc2_in"] == MOE_LAYERS * ROWS * mxfp4_row(MOE_FFN)
+    # The recipe row is the same whatever the config's own flags.
+    assert components(FP4_ALL, "recipe") == c == components({"moe_fp4_dispatch": True}, "recipe")
+
+
+def test_nothing_in_fp4_inside_a_recomputation():
+    """Recomputed modules save only the checkpoint's input in the first pass; in backward their
+    recompute restores FP8 linear inputs and BF16 SwiGLU inputs, not MXFP4."""
+    e = estimate(MEMCAP, "installed", {**FP4_ALL, "recompute_modules": ["core_attn", "mlp", "shared_experts"]})
+    c = e.peak_rank.components
+    assert c["dense.fc1_in"] == T * H * 2  # the mlp checkpoint's BF16 input
+    assert not any(k in c for k in ("dense.fc1_out", "dense.fc2_in", "moe.shared_fc1_in", "moe.shared_fc1_out"))
+    assert c["dense.qkv_in"] == T * mxfp4_row(H)  # attention is not recomputed: still MXFP4
+    ctx = Ctx(s=e.shape, par=e.parallel, p=e.precision, rc=e.recompute, tokens=T, rope=True, softmax_fp32=False,
+              ce_bytes=4, bias=False)
+    restored = ctx.with_recompute(NONE)  # what backward holds once the recompute has run
+    assert dense_mlp(restored)["fc1_in"] == T * fp8_row(H)
+    assert dense_mlp(restored)["fc1_out"] == T * 2 * FFN * 2
+    assert dense_mlp(restored)["fc2_in"] == T * fp8_row(FFN)
+    shared = moe_mlp(restored)
+    assert (shared["shared_fc1_in"], shared["shared_fc1_out"]) == (T * fp8_row(H), T * 2 * SHARED * 2)
+    # `moe` recompute covers the shared experts too.
+    moe = Ctx(s=e.shape, par=e.parallel, p=e.precision, rc=estimate(
+        MEMCAP, "installed", {**FP4_ALL, "recompute_modules": ["moe"]}).recompute, tokens=T, rope=True,
+        softmax_fp32=False, ce_bytes=4, bias=False)
+    assert moe_mlp(moe.with_recompute(NONE))["shared_fc2_in"] == T * fp8_row(SHARED)
+
+
+def test_fp8_weight_copies_of_linears_and_experts():
+    """Two FP8 copies (W, W^T; 128x128 blocks) of every weight our linears and experts hold, from a
+    step's first forward to the next; none with --moe-fp4-weights-per-use. MTP's eh_proj stays BF16."""
+    bf16 = estimate(MEMCAP).peak_rank.static.weights
+    fp8 = estimate(MEMCAP, "installed", FP8_LINEARS).peak_rank.static.weights
+    attention = 3 * H * H + H * H  # qkv, proj
+    linears = 7 * attention + 3 * FFN * H + 6 * 3 * SHARED * H  # 6 layers + MTP's; dense fc1 (x2) + fc2; shared
+    experts = 6 * LOCAL_EXPERTS * 3 * MOE_FFN * H
+    assert fp8 - bf16 == pytest.approx(2 * (linears + experts) * FP8_WEIGHT, rel=1e-12)
+    per_use = estimate(MEMCAP, "installed", {**FP8_LINEARS, "moe_fp4_weights_per_use": True})
+    assert per_use.peak_rank.static.weights == bf16
+
+
+def test_kv_down_projection_weight_is_padded_to_128():
+    s = estimate(DSV3 / "fp4_mla_up_proj.yaml").shape
+    shapes = fp8_linear_shapes(s, MOE)
+    assert (512 + 64, 7168) in shapes  # kv_lora_rank + qk_pos_emb_head_dim outputs
+    assert fp8_linear_copy_elements((576, 7168)) == 640 * 7168
+    assert fp8_linear_copy_elements((1536, 7168)) == 1536 * 7168
+
+
+@pytest.fixture(scope="module")
+def dsv3():
+    out = {}
+    for p in ("bf16", "fp8", "fp4"):
+        for scope in SCOPES:
+            for mode in ("recipe", "installed"):
+                for fused in (False, True):
+                    out[(p, scope, mode, fused)] = estimate(DSV3 / f"{p}_{scope}.yaml", mode,
+                                                            assume_fused_attention=fused)
+    return out
+
+
+def test_paper_fp4_configs_installed_is_the_recipe(dsv3):
+    for scope in SCOPES:
+        for fused in (False, True):
+            recipe, installed = dsv3[("fp4", scope, "recipe", fused)], dsv3[("fp4", scope, "installed", fused)]
+            assert installed.precision == recipe.precision
+            assert installed.peak_rank.components == recipe.peak_rank.components
+            assert installed.peak_gib == recipe.peak_gib and installed.a2a == recipe.a2a
+
+
+def test_671b_as_configured_the_local_attention_does_not_fit(dsv3):
+    """Our FP8 linears need Megatron's local layers, whose core attention (DotProductAttention)
+    keeps the [b, heads, s, s] probabilities: 4 GiB per layer and micro-batch at 128 heads x 4096."""
+    for scope in SCOPES:
+        for p in ("fp8", "fp4"):
+            e = dsv3[(p, scope, "installed", False)]
+            assert not e.shape.fused_attention and not e.fits
+            layers = e.peak_rank.components["moe.attn_probs"] / (128 * 4096 * 4096 * 2)
+            assert layers == round(layers) >= 1
+    assert dsv3[("bf16", "attn_ln_moe", "recipe", False)].fits  # stock Megatron with Transformer Engine
+
+
+def test_671b_pattern_with_a_fused_attention(dsv3):
+    """What-if (a fused core attention under our linears): FP4 fits where BF16 and FP8 are OOM at the
+    middle scope, all fit at the first; at MLA-up-projection-only FP4 is OOM too (docs/estimator.md)."""
+    fits = {(p, scope): dsv3[(p, scope, "installed", True)].fits for p in ("bf16", "fp8", "fp4") for scope in SCOPES}
+    assert fits == {("bf16", "attn_ln_moe"): True, ("bf16", "attn_ln_mlp"): False, ("bf16", "mla_up_proj"): False,
+                    ("fp8", "attn_ln_moe"): True, ("fp8", "attn_ln_mlp"): False, ("fp8", "mla_up_proj"): False,
+                    ("fp4", "attn_ln_moe"): True, ("fp4", "attn_ln_mlp"): True, ("fp4", "mla_up_proj"): False}
+    assert dsv3[("fp4", "attn_ln_moe", "installed", True)].assumptions
