@@ -66,6 +66,7 @@ class FP4Options:
     weights_per_use: bool = False
     linears: LinearsPrecision = LinearsPrecision.BF16
     storage: Storage = Storage.EXPERTS
+    fused_attention: bool = False
 
     def __post_init__(self):
         # Accept the flags' strings; keep the enums.
@@ -78,6 +79,11 @@ class FP4Options:
     @property
     def active(self) -> bool:
         """Whether anything of the plugin touches the model (off: stock Megatron)."""
+        return self.touches_moe_layers or self.fused_attention
+
+    @property
+    def touches_moe_layers(self) -> bool:
+        """Whether the plugin builds parts of the MoE layers (the fused attention alone does not)."""
         return self.dispatch or self.experts is ExpertsPrecision.FP8 or self.linears is LinearsPrecision.FP8
 
     @classmethod
@@ -153,6 +159,12 @@ FLAGS = (
          "every use instead of once per optimizer step. The default keeps two FP8 copies (plain and transposed, 128x128 "
          "blocks) of each FP8 layer's weight from the step's first forward to the next step's, about 2 bytes per "
          "weight element, and saves every later micro-batch the quantization; this flag gives that memory back."),
+    Flag("fused_attention", "Compute the core attention of Megatron's local layers (--transformer-impl local, "
+         "standard and MLA self-attention) with torch's fused scaled-dot-product-attention kernels (flash, "
+         "memory-efficient or cuDNN, never the math one) instead of the unfused DotProductAttention: backward keeps "
+         "the output and its log-sum-exp, not the [b, heads, s, s] softmax probabilities (4 GiB per layer and "
+         "micro-batch at 128 heads and sequence 4096). For runs without Transformer Engine, such as "
+         "--moe-fp4-linears fp8; causal or unmasked attention without dropout."),
 )
 
 
@@ -198,6 +210,8 @@ class ModelSettings:
     cuda_graph_captures_moe: bool
     local_cuda_graphs: bool  # Megatron then never checkpoints a MoE layer (moe_layer_recompute off)
     inference_optimized: bool
+    attention_dropout: float
+    reset_attention_mask: bool  # data-loader masks with document boundaries (arguments only)
     # Checkpoints of the distributed optimizer in its default, parameter-ordered format (a config
     # does not say: then FP8Experts check the format at save and load).
     bucket_space_checkpoints: bool
@@ -243,6 +257,8 @@ class ModelSettings:
             cuda_graph_captures_moe=_cuda_graph_captures_moe(source),
             local_cuda_graphs=get("cuda_graph_impl") == "local",
             inference_optimized=get("transformer_impl") == "inference_optimized",
+            attention_dropout=get("attention_dropout") or 0.0,
+            reset_attention_mask=bool(get("reset_attention_mask", False)),
             bucket_space_checkpoints=bool(
                 (get("use_distributed_optimizer", False) or get("use_layer_wise_distributed_optimizer", False))
                 and (get("save") or get("load")) and not get("dist_ckpt_optim_fully_reshardable", False)),
@@ -315,6 +331,7 @@ FP8 = ExpertsPrecision.FP8
 _fp8_experts = lambda o: o.experts is FP8  # noqa: E731
 _fp8_linears = lambda o: o.linears is LinearsPrecision.FP8  # noqa: E731
 _fp4_payload = lambda o: o.dispatch or o.cache or o.saved_input  # noqa: E731
+_moe = lambda o: o.touches_moe_layers  # noqa: E731
 
 REFUSALS = (
     # What the flags need of each other.
@@ -348,8 +365,8 @@ REFUSALS = (
             "megatron-core or drop the --moe-fp4-* flags."),
     Refusal("no CUDA GPU",
             lambda o, m, e, r: o.active and e is not None and not e.cuda_available,
-            "--moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 need CUDA GPUs: their Triton "
-            "kernels and FP8 GEMMs run only there."),
+            "--moe-fp4-dispatch, --moe-fp4-experts fp8, --moe-fp4-linears fp8 and --moe-fp4-fused-attention need "
+            "CUDA GPUs: their Triton kernels, FP8 GEMMs and fused attention kernels run only there."),
     Refusal("--moe-fp4-linears fp8 on a GPU other than Hopper (SM90)",
             lambda o, m, e, r: _fp8_linears(o) and e is not None and e.compute_capability not in (None, (9, 0)),
             "--moe-fp4-linears fp8 needs Hopper GPUs (compute capability 9.0, found {compute_capability}): its FP8 "
@@ -359,18 +376,19 @@ REFUSALS = (
             "--moe-fp4-experts fp8 needs Hopper GPUs (compute capability 9.0, found {compute_capability}): its FP8 "
             "block-scaled GEMMs are SM90's; drop --moe-fp4-experts fp8."),
     Refusal("the patch route (also our launcher on a patched tree) with --moe-fp4-cache, --moe-fp4-saved-input, "
-            "--moe-fp4-experts fp8, --moe-fp4-linears fp8 or --moe-fp4-telemetry",
+            "--moe-fp4-experts fp8, --moe-fp4-linears fp8, --moe-fp4-telemetry or --moe-fp4-fused-attention",
             lambda o, m, e, r: r is Route.PATCH and (o.cache or o.saved_input or _fp8_experts(o) or _fp8_linears(o)
-                                                     or o.telemetry),
+                                                     or o.telemetry or o.fused_attention),
             "a megatron-core tree patched with `megatron-fp4 patch` serves --moe-fp4-dispatch only: drop "
-            "--moe-fp4-cache, --moe-fp4-saved-input, --moe-fp4-experts fp8, --moe-fp4-linears fp8 and "
-            "--moe-fp4-telemetry, or run megatron_fp4.launch on an unpatched megatron-core."),
+            "--moe-fp4-cache, --moe-fp4-saved-input, --moe-fp4-experts fp8, --moe-fp4-linears fp8, "
+            "--moe-fp4-telemetry and --moe-fp4-fused-attention, or run megatron_fp4.launch on an unpatched "
+            "megatron-core."),
     Refusal("context parallelism (our launcher does not slice batches per CP rank)",
             lambda o, m, e, r: r is Route.LAUNCHER and m.context_parallel_size > 1,
             "megatron_fp4's launcher does not slice batches for context parallelism: use --context-parallel-size 1."),
     # The model.
     Refusal("no MoE layers",
-            lambda o, m, e, r: o.active and not m.num_experts,
+            lambda o, m, e, r: _moe(o) and not m.num_experts,
             "--moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 need an MoE model: set "
             "--num-experts."),
     Refusal("a dispatcher other than alltoall",
@@ -378,23 +396,23 @@ REFUSALS = (
             "--moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got {dispatcher_type}): it replaces "
             "that dispatcher's all-to-all."),
     Refusal("a dispatched width not divisible by 128",
-            lambda o, m, e, r: o.active and (m.dispatched_width or 0) % FP8_BLOCK != 0,
+            lambda o, m, e, r: _moe(o) and (m.dispatched_width or 0) % FP8_BLOCK != 0,
             f"--moe-fp4-dispatch and --moe-fp4-experts fp8 need --hidden-size (or --moe-latent-size) divisible by "
             f"{FP8_BLOCK} (got {{dispatched_width}}): FP8 1x128 blocks must not straddle rows."),
     Refusal("expert tensor parallelism",
-            lambda o, m, e, r: o.active and m.expert_tensor_parallel_size > 1,
+            lambda o, m, e, r: _moe(o) and m.expert_tensor_parallel_size > 1,
             "megatron_fp4 does not support expert tensor parallelism: use --expert-tensor-parallel-size 1 "
             "(got {expert_tensor_parallel_size}) and expert parallelism instead."),
     Refusal("--overlap-moe-expert-parallel-comm",
-            lambda o, m, e, r: o.active and m.overlap_ep_comm,
+            lambda o, m, e, r: _moe(o) and m.overlap_ep_comm,
             "megatron_fp4 does not support --overlap-moe-expert-parallel-comm: its split schedule calls the MoE "
             "layer's parts itself and would bypass the FP4 dispatch; drop the flag."),
     Refusal("--overlap-dispatch-backward-with-experts-wgrad",
-            lambda o, m, e, r: o.active and m.overlap_dispatch_wgrad,
+            lambda o, m, e, r: _moe(o) and m.overlap_dispatch_wgrad,
             "megatron_fp4 does not support --overlap-dispatch-backward-with-experts-wgrad: its dispatch and "
             "experts do not delay the weight gradients; drop the flag."),
     Refusal("CUDA graphs that capture the MoE layer",
-            lambda o, m, e, r: o.active and m.cuda_graph_captures_moe,
+            lambda o, m, e, r: _moe(o) and m.cuda_graph_captures_moe,
             "megatron_fp4 does not support CUDA graphs that capture the MoE layer: use --cuda-graph-impl none or "
             "--cuda-graph-modules attn (mlp for dense layers)."),
     Refusal("transformer_impl inference_optimized",
@@ -429,6 +447,23 @@ REFUSALS = (
     Refusal("--moe-fp4-linears fp8 with biases",
             lambda o, m, e, r: _fp8_linears(o) and m.add_bias_linear,
             "--moe-fp4-linears fp8 has no biases: add --disable-bias-linear."),
+    # What our fused core attention implements.
+    Refusal("--moe-fp4-fused-attention with Transformer Engine layers",
+            lambda o, m, e, r: o.fused_attention and m.transformer_impl not in (None, "local"),
+            "--moe-fp4-fused-attention replaces the local layers' DotProductAttention (Transformer Engine's "
+            "attention is fused already): use --transformer-impl local (got {transformer_impl}) or drop the flag."),
+    Refusal("--moe-fp4-fused-attention with context parallelism",
+            lambda o, m, e, r: o.fused_attention and m.context_parallel_size > 1,
+            "--moe-fp4-fused-attention does not split attention over context-parallel ranks: use "
+            "--context-parallel-size 1 (got {context_parallel_size})."),
+    Refusal("--moe-fp4-fused-attention with attention dropout",
+            lambda o, m, e, r: o.fused_attention and m.attention_dropout > 0,
+            "--moe-fp4-fused-attention has no attention dropout: add --attention-dropout 0 (got "
+            "{attention_dropout}, Megatron's default is 0.1)."),
+    Refusal("--moe-fp4-fused-attention with --reset-attention-mask",
+            lambda o, m, e, r: o.fused_attention and m.reset_attention_mask,
+            "--moe-fp4-fused-attention computes plain causal attention and would ignore the document boundaries "
+            "that --reset-attention-mask puts in the mask: drop one of the two flags."),
     # What our FP8 experts implement.
     Refusal("--moe-fp4-experts fp8 with the flex dispatcher",
             lambda o, m, e, r: _fp8_experts(o) and m.dispatcher_type == "flex",

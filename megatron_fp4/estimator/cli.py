@@ -65,11 +65,6 @@ def register(subparsers) -> None:
     parser.add_argument("--set", dest="overrides", action="append", type=_parse_set, default=[], metavar="KEY=VALUE",
                         help="override a flag of every config (YAML value), e.g. --set optimizer_cpu_offload=true; "
                              "repeatable")
-    parser.add_argument("--assume-fused-attention", action="store_true",
-                        help="what-if for configs on Megatron's local layers (transformer_impl local, which "
-                             "--moe-fp4-linears fp8 needs): model a fused core attention (output and log-sum-exp "
-                             "kept) instead of the unfused one the local layers run (its [b, heads, s, s] "
-                             "probabilities kept); such rows are marked *")
     parser.add_argument("--detail", action="store_true",
                         help="after the table, each row's per-rank peaks and one micro-batch's activations by tensor")
     parser.add_argument("--plot", metavar="FILE.png",
@@ -92,11 +87,10 @@ def run(args) -> int:
         for path in args.configs:
             # Refuse what a launch of this config would refuse (the plan is for another machine).
             validate_config(apply_overrides(load_config(path), overrides))
-            fused = args.assume_fused_attention
-            first = estimate(path, modes[0], overrides, fused)
+            first = estimate(path, modes[0], overrides)
             estimates.append(first)
             if first.precision.name == "fp4" and len(modes) > 1:
-                estimates.append(estimate(path, modes[1], overrides, fused))
+                estimates.append(estimate(path, modes[1], overrides))
     except (ConfigError, EstimateError, UnsupportedConfiguration) as err:
         return fail(str(err))
     if args.json:

@@ -1,6 +1,6 @@
 """One estimate: a YAML run config in, per-GPU memory and all-to-all bytes out."""
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..run_config import RunConfig, load_config, parse_config_argv
 from .a2a import A2ABytes, a2a_bytes
@@ -24,7 +24,6 @@ class Estimate:
     ranks: list[RankMemory]
     a2a: A2ABytes  # on the pipeline rank that sends the most
     overrides: dict[str, object] = field(default_factory=dict)
-    assumptions: tuple[str, ...] = ()  # what-ifs beyond the config's flags (FUSED_ATTENTION)
 
     @property
     def peak_rank(self) -> RankMemory:
@@ -50,7 +49,6 @@ class Estimate:
             "precision": self.precision.name,
             "recompute": self.recompute.label(),
             "overrides": {k: v for k, v in self.overrides.items()},
-            "assumptions": list(self.assumptions),
             "gpu_memory_gib": self.gpu_memory_gib,
             "peak_rank": r.rank,
             "weights_gib": r.static.weights / GIB,
@@ -88,16 +86,9 @@ def apply_overrides(config: RunConfig, overrides: dict[str, object]) -> RunConfi
     return RunConfig(path=config.path, flags=flags, cluster=dict(config.cluster))
 
 
-# A what-if: Megatron's local layers run the unfused DotProductAttention, which keeps the attention
-# probabilities ([b, heads, s, s] per layer); this assumes a fused core attention there instead.
-FUSED_ATTENTION = "fused core attention assumed (what-if: local layers keep the unfused attention's probabilities)"
-
-
-def estimate(config, mode: str = "recipe", overrides: dict[str, object] | None = None,
-             assume_fused_attention: bool = False) -> Estimate:
+def estimate(config, mode: str = "recipe", overrides: dict[str, object] | None = None) -> Estimate:
     """Estimate a config (a path or a RunConfig). mode "recipe": the paper's FP4 recipe for fp4
-    configs; "installed": what the config's flags switch on (identical for bf16 / fp8 configs).
-    assume_fused_attention: a what-if (FUSED_ATTENTION) for configs on Megatron's local layers."""
+    configs; "installed": what the config's flags switch on (identical for bf16 / fp8 configs)."""
     if not isinstance(config, RunConfig):
         config = load_config(config)
     overrides = dict(overrides or {})
@@ -108,9 +99,6 @@ def estimate(config, mode: str = "recipe", overrides: dict[str, object] | None =
         args.recompute_granularity = "selective"
         args.recompute_modules = list(args.recompute_modules or []) + ["moe"]
     shape = model_shape(args)
-    assumptions = ()
-    if assume_fused_attention and not shape.fused_attention:
-        shape, assumptions = replace(shape, fused_attention=True), (FUSED_ATTENTION,)
     par = parallel_layout(args, shape, config.world_size())
     p = precision_of(args, mode)
     rc = recompute_of(args)
@@ -121,4 +109,4 @@ def estimate(config, mode: str = "recipe", overrides: dict[str, object] | None =
     a2a = max((a2a_bytes(shape, par, p, rc, r) for r in range(par.pp)), key=lambda a: a.total)
     return Estimate(config=str(config.path), mode=mode, precision=p, recompute=rc, shape=shape, parallel=par,
                     gpu_memory_gib=config.cluster.get("gpu_memory_gib"), ranks=ranks, a2a=a2a,
-                    overrides=overrides, assumptions=assumptions)
+                    overrides=overrides)

@@ -29,8 +29,7 @@ def row(e: Estimate) -> list[str]:
     fits = "-" if e.fits is None else ("fits" if e.fits else "OOM")
     percent = "-" if e.fraction is None else f"{100 * e.fraction:.1f}"
     mode = e.mode if e.precision.name == "fp4" else ""
-    marks = "*" if e.assumptions else ""
-    return [display_name(e.config) + marks, e.precision.name, mode, e.recompute.label(),
+    return [display_name(e.config), e.precision.name, mode, e.recompute.label(),
             f"{r.static.weights / GIB:.2f}", f"{r.static.grads / GIB:.2f}", f"{r.static.optimizer / GIB:.2f}",
             f"{r.activations / GIB:.2f}", f"{(r.transient + r.static.workspace) / GIB:.2f}",
             f"{e.peak_gib:.2f}", percent, fits, f"{e.a2a.total / 1e9:.1f}"]
@@ -49,9 +48,6 @@ def table(estimates: list[Estimate]) -> str:
               "same GPU sends per step (dispatch + combine, forward + backward, recompute included).")]
     if any(e.precision.name == "fp4" for e in estimates):
         notes.append("fp4 memory: " + FP4_MEMORY_ROWS)
-    assumptions = sorted({a for e in estimates for a in e.assumptions})
-    if assumptions:
-        notes.append("* " + "; ".join(assumptions))
     overrides = {k: v for e in estimates for k, v in e.overrides.items()}
     if overrides:
         notes.append("overrides: " + ", ".join(f"{k}={v}" for k, v in overrides.items()))
@@ -60,7 +56,7 @@ def table(estimates: list[Estimate]) -> str:
 
 def detail(e: Estimate) -> str:
     r = e.peak_rank
-    lines = [f"{display_name(e.config)}{'*' if e.assumptions else ''} ({e.precision.name}{', ' + e.mode if e.precision.name == 'fp4' else ''}): "
+    lines = [f"{display_name(e.config)} ({e.precision.name}{', ' + e.mode if e.precision.name == 'fp4' else ''}): "
              f"peak rank {r.rank}, micro-batches held per chunk {r.held}, per-rank peaks GiB "
              + " ".join(f"{x.peak / GIB:.1f}" for x in e.ranks),
              "  saved activations by tensor, GiB: one micro-batch of this rank's chunks | held at the peak"]

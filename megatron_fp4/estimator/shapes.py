@@ -43,9 +43,9 @@ class ModelShape:
     v_head_dim: int
     qk_layernorm: bool  # MLA: LayerNorms on the compressed q and kv (DeepSeek-V3 has them)
     te: bool  # Transformer Engine layers (fused attention, fused LayerNorm+Linear) vs Megatron's local ones
-    # The core attention: fused (Transformer Engine's: keeps its output and log-sum-exp) or Megatron's
-    # local DotProductAttention (keeps the [b, heads, s, s] probabilities). It follows `te`; an
-    # estimate can assume a fused one under local layers as a what-if (core.estimate).
+    # The core attention: fused (Transformer Engine's, or ours on local layers with
+    # --moe-fp4-fused-attention: keeps its output and log-sum-exp) or Megatron's local
+    # DotProductAttention (keeps the [b, heads, s, s] probabilities).
     fused_attention: bool
 
     @property
@@ -135,7 +135,7 @@ def model_shape(args) -> ModelShape:
         v_head_dim=args.v_head_dim,
         qk_layernorm=bool(args.qk_layernorm),
         te=args.transformer_impl == "transformer_engine",
-        fused_attention=args.transformer_impl == "transformer_engine",
+        fused_attention=args.transformer_impl == "transformer_engine" or bool(args.moe_fp4_fused_attention),
     )
 
 

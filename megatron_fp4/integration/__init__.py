@@ -4,6 +4,7 @@
 """
 
 from ..options import FP4Options
+from .attention_spec import use_fused_attention
 from .experts_spec import use_fp8_experts
 from .linears_spec import use_fp8_linears
 from .moe_layer import FP4MoELayer, count_fp4_moe_layers, use_fp4_dispatch
@@ -12,9 +13,11 @@ from .moe_layer import FP4MoELayer, count_fp4_moe_layers, use_fp4_dispatch
 def use_fp4(spec, options: FP4Options):
     """`spec` (a layer, block or MTP block spec) as `options` ask: MoE layers dispatching in MXFP4
     (options.dispatch), their experts in FP8 (options.experts), the other linear layers in FP8
-    (options.linears); the same object when stock."""
-    return use_fp8_linears(use_fp8_experts(use_fp4_dispatch(spec, options), options), options)
+    (options.linears), the core attention on fused kernels (options.fused_attention); the same
+    object when stock."""
+    spec = use_fp8_linears(use_fp8_experts(use_fp4_dispatch(spec, options), options), options)
+    return use_fused_attention(spec, options)
 
 
 __all__ = ["FP4MoELayer", "FP4Options", "count_fp4_moe_layers", "use_fp4", "use_fp4_dispatch", "use_fp8_experts",
-           "use_fp8_linears"]
+           "use_fp8_linears", "use_fused_attention"]

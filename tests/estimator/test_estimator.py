@@ -245,10 +245,9 @@ def test_671b_configs_need_the_optimizer_offloaded(dsv3):
     assert on_gpu.peak_rank.static.total / GIB > 50
 
 
-PAPER_GAP = ("the FP8 and FP4 configs run Megatron's local layers (our FP8 linears need them), whose unfused "
-             "attention keeps 4 GiB of probabilities per layer and micro-batch: they fit nowhere; with a fused core "
-             "attention assumed (what-if), BF16 / FP8 / FP4 are 66.7% / 89.3% / 89.7% at the first scope (paper 68.3% / "
-             "74.2% / 59.4%) and FP4 is OOM at MLA-up-projection-only (105.6%): docs/estimator.md, by component")
+PAPER_GAP = ("the FP8 and FP4 configs run Megatron's local layers (our FP8 linears need them) with our fused core "
+             "attention: BF16 / FP8 / FP4 are 66.7% / 89.3% / 89.7% at the first scope (paper 68.3% / 74.2% / 59.4%) "
+             "and FP4 is OOM at MLA-up-projection-only (105.6%): docs/estimator.md, by component")
 
 
 @pytest.mark.xfail(strict=True, reason=PAPER_GAP)

@@ -265,3 +265,35 @@ def test_usage_doc_carries_the_generated_tables():
 
     usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
     assert usage_markdown() in usage, "docs/usage.md is stale: regenerate with `python -m megatron_fp4.options`"
+
+
+def _fused_attention(**overrides):
+    base = dict(moe_fp4_fused_attention=True, moe_fp4_dispatch=False, transformer_impl="local",
+                attention_dropout=0.0)
+    base.update(overrides)
+    return _config(**base)
+
+
+def test_fused_attention_flag_parses_touches_the_model_and_serves_dense_models():
+    assert _parse(["--moe-fp4-fused-attention"]).moe_fp4_fused_attention and not _parse([]).moe_fp4_fused_attention
+    options = FP4Options.from_args(_parse(["--moe-fp4-fused-attention"]))
+    assert options == FP4Options(fused_attention=True) and options.active and not options.touches_moe_layers
+    _check(_fused_attention())
+    # The attention alone builds no part of the MoE layers: a dense model, any hidden size, is served.
+    _check(_fused_attention(num_experts=None, hidden_size=4000))
+    with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-fused-attention need CUDA GPUs"):
+        _check(_fused_attention(), cuda=False)
+    with pytest.raises(UnsupportedConfiguration, match="supports megatron-core 0.18 to 0.19"):
+        _check(_fused_attention(), version="0.17.1")
+
+
+@pytest.mark.parametrize("overrides, route, message", [
+    ({"transformer_impl": "transformer_engine"}, Route.LAUNCHER, "--transformer-impl local"),
+    ({"context_parallel_size": 2}, Route.PLUGIN, "--context-parallel-size 1 \\(got 2\\)"),
+    ({"attention_dropout": 0.1}, Route.LAUNCHER, "--attention-dropout 0 \\(got 0.1"),
+    ({"reset_attention_mask": True}, Route.LAUNCHER, "--reset-attention-mask"),
+    ({}, Route.PATCH, "patched with `megatron-fp4 patch`"),
+])
+def test_fused_attention_refusals(overrides, route, message):
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        _check(_fused_attention(**overrides), route=route)
