@@ -315,12 +315,13 @@ def test_dense_layer_keeps_megatrons_checkpoint_and_follows_bf16(model_parallel,
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(5)
-    stock = _dense_layer(model_parallel, None, seed=1).to(device)
+    # BF16 throughout, as Megatron's Float16Module makes the model (the norms are built in fp32).
+    stock = _dense_layer(model_parallel, None, seed=1).to(device, torch.bfloat16)
     import megatron_fp4.linears.module as linear_module
     original = linear_module.validate
     linear_module.validate = lambda *a: None  # a lone dense layer: the whole-model MoE check does not apply
     try:
-        ours = _dense_layer(model_parallel, RECIPE, seed=2).to(device)
+        ours = _dense_layer(model_parallel, RECIPE, seed=2).to(device, torch.bfloat16)
     finally:
         linear_module.validate = original
     linears = [m for m in ours.modules() if isinstance(m, (FP8ColumnParallelLinear, FP8RowParallelLinear))]
