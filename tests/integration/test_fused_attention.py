@@ -263,7 +263,12 @@ def test_fused_kernels_serve_the_runs_shapes_without_the_probabilities(name, b, 
     torch.cuda.synchronize()
     added = torch.cuda.max_memory_allocated() - before
     probabilities = b * heads * s * s * 2
-    print(f"{name}: forward+backward added {added / 2**20:.0f} MiB; the probabilities alone are "
-          f"{probabilities / 2**20:.0f} MiB")
-    assert added < probabilities / 4
+    # What any kernel allocates: the output, the three input gradients and contiguous copies of the
+    # inputs (measured on H200: 1028 MiB for the MLA shapes, whose BF16 probabilities alone are 4 GiB,
+    # so a bound of a quarter of the probabilities was wrong for them). Materialized probabilities
+    # would add b x heads x s x s elements on top.
+    operands = sum(t.numel() * t.element_size() for t in (q, k, v)) + out.numel() * out.element_size()
+    print(f"{name}: forward+backward added {added / 2**20:.0f} MiB; operands {operands / 2**20:.0f} MiB; the "
+          f"probabilities alone are {probabilities / 2**20:.0f} MiB")
+    assert added < 3 * operands + probabilities / 16
     assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
