@@ -4,6 +4,7 @@ with FP8 linear layers (megatron_fp4.linears). The routed experts are left to ex
 import dataclasses
 import functools
 
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
@@ -63,8 +64,13 @@ def use_fp8_linears(spec, options: FP4Options):
             if getattr(node, "linear_qkv_down_proj", None) is not None:
                 _refuse("MLA projections (separate q and kv down-projections)", node.linear_qkv_down_proj)
             for name, (column, role) in linears.items():
-                if getattr(node, name) is not None:
-                    object.__setattr__(node, name, linear_spec(column, options, role))
+                current = getattr(node, name)
+                if current is None:
+                    continue
+                if current is not (ColumnParallelLinear if column else RowParallelLinear):
+                    # e.g. Transformer Engine's layer-norm-fused linear: replacing it would drop the norm.
+                    _refuse(f"attention projections ({name})", current)
+                object.__setattr__(node, name, linear_spec(column, options, role))
         elif isinstance(node, TransformerLayerSubmodules) and not _is_moe(node.mlp):
             if _builds_mlp(node.mlp):
                 node.mlp = functools.partial(build_fp8_mlp, options=options,

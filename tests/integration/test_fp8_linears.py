@@ -208,10 +208,15 @@ def test_nothing_inside_a_recomputation_is_kept_in_fp4(granularity, modules, kep
     assert all(saved_input(FP8_LINEARS, role, config) is SavedInput.FP8 for role in LinearRole)
 
 
-def _attention_and_mlps(spec):
-    layer = spec.submodules
-    attention = layer.self_attention.submodules
-    return attention, layer.mlp
+def test_spec_swap_refuses_transformer_engine_layers():
+    """A TE spec's qkv projection carries the input layer norm: swapping it would drop the norm."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = get_gpt_layer_local_spec()
+    attention = spec.submodules.self_attention.submodules
+    object.__setattr__(attention, "linear_qkv", ModuleSpec(module=ColumnParallelLinear))  # not the plain class
+    with pytest.raises(UnsupportedConfiguration, match="linear_qkv"):
+        use_fp4(spec, FP8_LINEARS)
 
 
 def test_spec_swap_and_switch_off():
