@@ -120,6 +120,18 @@ class FP8BlockTensor:
     def shape(self) -> torch.Size:
         return self.data.shape
 
+    def colwise_parts(self) -> tuple:
+        """A colwise operand as the tensors autograd's save_for_backward takes; from_colwise_parts
+        rebuilds it."""
+        if self.layout != COLWISE:
+            raise ValueError("colwise_parts is for the colwise layout")
+        return self.data, self.block_scales, self.segment_offsets
+
+    @classmethod
+    def from_colwise_parts(cls, parts) -> "FP8BlockTensor":
+        data, block_scales, segment_offsets = parts
+        return cls(data, block_scales, COLWISE, segment_offsets)
+
     def scaled_mm_scales(self) -> torch.Tensor:
         """The scales as torch.nn.functional.scaled_mm takes them: (rows, cols/128), strides (1, rows)."""
         return self.block_scales.t()

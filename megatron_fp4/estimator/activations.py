@@ -206,8 +206,9 @@ def moe_mlp(c: Ctx) -> dict:
         out["shared_fc2_in"] = c.tokens * fs * c.fc2_input("shared_experts")
     fm = s.moe_ffn_hidden / c.par.etp
     fp4 = p.fp4_experts
-    # Our FP8 experts without a payload (the FP8 baseline) keep their three tensors in BF16.
-    gemm_input = mb if p.fp8_experts else p.gemm_input_bytes
+    # Our FP8 experts without a payload (the FP8 baseline) keep the fc1 and fc2 inputs as FP8 1x128
+    # columns (each expert's tokens padded to 128, left out here) and the SwiGLU input in BF16.
+    gemm_input = FP8_1X128_BYTES if p.fp8_experts else p.gemm_input_bytes
     out["expert_fc1_in"] = rows * h * (MXFP4_BYTES if p.fp4_expert_input else gemm_input)
     out["expert_fc1_out"] = rows * s.fc1_factor * fm * (MXFP4_BYTES if fp4 else mb)
     if "moe_act" not in c.rc:

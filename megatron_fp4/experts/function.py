@@ -6,7 +6,9 @@ FP4 -> FP8 row conversion, or quantized from BF16 for the FP8 baseline), SwiGLU 
 fc2 = H W2^T from 1x128 rows of H. Weights are in 128x128 blocks, quantized once per optimizer step
 (weight_cache.py). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
 SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the
-FP8 baseline), the same three tensors in BF16.
+FP8 baseline), what its weight gradients read, as Transformer Engine's FP8 layers keep it: the fc1
+and fc2 inputs as FP8 columns (built in forward instead of backward: the same values), and the
+SwiGLU input in BF16.
 
 Backward: dgrad in FP8 (gradient 1x128 rows, weights transposed 128x128); wgrad in FP8 with both
 operands 1x128 along tokens (the column kernels' layout). With Megatron's fused gradient
@@ -22,7 +24,7 @@ import torch
 from .. import kernels as K
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..telemetry import Telemetry
-from ..tensors import FP8StackedWeights, MXFP4Tensor
+from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
 from .gemm import per_expert_products, per_expert_wgrad
 from .segments import ExpertSegments
 from .weight_cache import FP8WeightCache
@@ -95,9 +97,14 @@ class FP8ExpertsFunction(torch.autograd.Function):
         if payload_rows is not None:
             saved = (payload_rows, K.quantize_mxfp4(fc1_out, call.scale_rule).rows,
                      K.quantize_mxfp4(fc2_in, call.scale_rule).rows)
-        else:
-            saved = (tokens, fc1_out, fc2_in)
+        elif segments.num_tokens:
+            counts = segments.counts_device
+            saved = (*K.quantize_fp8_cols(tokens, counts, check_counts=False).colwise_parts(), fc1_out,
+                     *K.quantize_fp8_cols(fc2_in, counts, check_counts=False).colwise_parts())
+        else:  # no tokens: backward returns zeros without reading anything
+            saved = ()
         ctx.save_for_backward(*saved, probs, *weights)
+        ctx.num_activations = len(saved)
         # Bytes of the MXFP4 activations kept for backward (uint8 rows), for the telemetry.
         ctx.fp4_bytes = sum(rows.numel() for rows in saved) if payload_rows is not None else 0
         if call.telemetry is not None:
@@ -112,7 +119,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         call = ctx.call
         segments = call.segments
         hidden, ffn = ctx.sizes
-        saved_input, saved_fc1_out, saved_fc2_in, probs, *weights = ctx.saved_tensors
+        activations, (probs, *weights) = ctx.saved_tensors[: ctx.num_activations], ctx.saved_tensors[ctx.num_activations:]
         num_experts = len(segments.counts)
         fc1_weights, fc2_weights = weights[:num_experts], weights[num_experts:]
         dtype = grad_output.dtype
@@ -132,22 +139,21 @@ class FP8ExpertsFunction(torch.autograd.Function):
 
         # fc2: dgrad and wgrad.
         if ctx.from_payload:
+            saved_input, saved_fc1_out, saved_fc2_in = activations
             fc2_in_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_fc2_in, ffn), counts, check_counts=False)
             fc1_out = K.dequantize_mxfp4(mxfp4(saved_fc1_out, 2 * ffn))
         else:
-            fc2_in_cols = K.quantize_fp8_cols(saved_fc2_in, counts, check_counts=False)
-            fc1_out = saved_fc1_out
+            input_cols, fc2_in_cols = (FP8BlockTensor.from_colwise_parts(activations[i : i + 3]) for i in (0, 4))
+            fc1_out = activations[3]
         grad_fc2_in, grad_fc2 = _linear_backward(call, grad_output, fc2_in_cols, fc2_weights,
                                                    _fp8_weights(call, "fc2", fc2_weights, True), wgrads)
         del fc2_in_cols
         grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
         del fc1_out, grad_fc2_in
 
-        # fc1: dgrad and wgrad.
+        # fc1: dgrad and wgrad (from the payload, its columns are built only now, after fc2's are freed).
         if ctx.from_payload:
             input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input, hidden), counts, check_counts=False)
-        else:
-            input_cols = K.quantize_fp8_cols(saved_input, counts, check_counts=False)
         grad_input, grad_fc1 = _linear_backward(call, grad_fc1_out, input_cols, fc1_weights,
                                                    _fp8_weights(call, "fc1", fc1_weights, True), wgrads)
         del grad_fc1_out, input_cols

@@ -26,7 +26,7 @@ from ..experts.segments import ExpertSegments
 from ..experts.weight_cache import FP8WeightCache
 from ..formats import FP8_BLOCK
 from ..main_grad import added_to_main_grad, fused_main_grads
-from ..tensors import COLWISE, FP8BlockTensor, MXFP4Tensor
+from ..tensors import FP8BlockTensor, MXFP4Tensor
 
 
 class SavedInput(enum.Enum):
@@ -86,8 +86,7 @@ class FP8LinearFunction(torch.autograd.Function):
             if call.saved is SavedInput.MXFP4:
                 saved = (K.quantize_mxfp4(x2d, call.scale_rule).rows,)
             else:
-                cols = K.quantize_fp8_cols(x2d, segments.counts_device, check_counts=False)
-                saved = (cols.data, cols.block_scales, cols.segment_offsets)
+                saved = K.quantize_fp8_cols(x2d, segments.counts_device, check_counts=False).colwise_parts()
             ctx.save_for_backward(weight, *saved)
             ctx.call, ctx.segments, ctx.in_features = call, segments, in_features
         return output.view(*leading, out_features)
@@ -106,7 +105,7 @@ class FP8LinearFunction(torch.autograd.Function):
             input_cols = K.mxfp4_to_fp8_cols(MXFP4Tensor(saved[0], ctx.in_features, call.scale_rule),
                                              segments.counts_device, check_counts=False)
         else:
-            input_cols = FP8BlockTensor(saved[0], saved[1], COLWISE, saved[2])
+            input_cols = FP8BlockTensor.from_colwise_parts(saved)
         grad_weight = _weight_gradient(call, segments, weight, grad_cols, input_cols, dtype)
         return None, grad_input.view(*grad_output.shape[:-1], ctx.in_features), grad_weight
 

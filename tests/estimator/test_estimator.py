@@ -175,7 +175,8 @@ def mxfp4_row(k):
 
 def test_fp4_recipe_saving_is_the_fp4_storage_bytes(dsv3):
     """FP8 baseline -> FP4 recipe, one micro-batch of a chunk saves exactly, per layer: the routed
-    experts' three tensors (BF16 in the FP8 baseline's experts -> MXFP4), the attention linears'
+    experts' three tensors (FP8 columns of the fc1 / fc2 inputs and the BF16 SwiGLU input in the FP8
+    baseline's experts -> MXFP4), the attention linears'
     inputs outside the MLA up-projection recompute (both down-projections, output projection: FP8 ->
     MXFP4), the shared experts' fc1 / fc2 inputs (FP8 -> MXFP4) and SwiGLU input (BF16 -> MXFP4), and
     the dense MLP's likewise where `mlp` is not recomputed."""
@@ -185,7 +186,7 @@ def test_fp4_recipe_saving_is_the_fp4_storage_bytes(dsv3):
     fp8_to_fp4 = lambda k: fp8_row(k) - mxfp4_row(k)  # noqa: E731
     bf16_to_fp4 = lambda k: 2 * k - mxfp4_row(k)  # noqa: E731
     attention = T * (2 * fp8_to_fp4(h) + fp8_to_fp4(s.heads * s.v_head_dim))
-    experts = rows * (bf16_to_fp4(h) + bf16_to_fp4(2 * fm) + bf16_to_fp4(fm))
+    experts = rows * (fp8_to_fp4(h) + bf16_to_fp4(2 * fm) + fp8_to_fp4(fm))
     shared = T * (fp8_to_fp4(h) + bf16_to_fp4(2 * fs) + fp8_to_fp4(fs))
     dense_mlp = T * (fp8_to_fp4(h) + bf16_to_fp4(2 * ffn) + fp8_to_fp4(ffn))
     for scope, mlp_recomputed in (("attn_ln_mlp", True), ("mla_up_proj", False)):

@@ -53,10 +53,11 @@ def test_fp8_linears_keep_fp8_inputs_and_bf16_swiglu_inputs():
     assert c["moe.shared_fc1_in"] == MOE_LAYERS * T * fp8_row(H)
     assert c["moe.shared_fc1_out"] == MOE_LAYERS * T * 2 * SHARED * 2
     assert c["moe.shared_fc2_in"] == MOE_LAYERS * T * fp8_row(SHARED)
-    # Our FP8 experts without the FP4 dispatch keep BF16 tokens, SwiGLU input and fc2 input.
-    assert c["moe.expert_fc1_in"] == MOE_LAYERS * ROWS * H * 2
+    # Our FP8 experts without the FP4 dispatch keep FP8 columns of the fc1 and fc2 inputs (the
+    # segments' padding to 128 tokens left out) and the SwiGLU input in BF16.
+    assert c["moe.expert_fc1_in"] == MOE_LAYERS * ROWS * fp8_row(H)
     assert c["moe.expert_fc1_out"] == MOE_LAYERS * ROWS * 2 * MOE_FFN * 2
-    assert c["moe.expert_fc2_in"] == MOE_LAYERS * ROWS * MOE_FFN * 2
+    assert c["moe.expert_fc2_in"] == MOE_LAYERS * ROWS * fp8_row(MOE_FFN)
     assert c["mtp.shared_fc2_in"] == T * fp8_row(SHARED)  # the MTP layer's own MoE layer
 
 

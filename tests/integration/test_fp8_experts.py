@@ -16,6 +16,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_fp4 import reference as ref
 from megatron_fp4.experts import FP8Experts
 from megatron_fp4.formats import mxfp4_wire_bytes_per_row
+from megatron_fp4.layout import colwise_capacity
 from megatron_fp4.integration.experts_spec import use_fp8_experts
 from megatron_fp4.options import FP4Options
 
@@ -169,6 +170,30 @@ def test_saves_only_fp4_and_frees_it_after_backward(model_parallel, device):
     del payload, x
     gc.collect()
     assert all(ref_() is None for dtype, _, ref_ in saved if dtype == torch.uint8), "saved FP4 kept after backward"
+
+
+def test_fp8_baseline_saves_fp8_columns_and_the_bf16_swiglu_input(model_parallel, device):
+    """Without a payload the experts keep what their weight gradients read, as Transformer Engine's
+    FP8 layers do: FP8 columns of the fc1 and fc2 inputs (1 byte per element, each expert's tokens
+    padded to 128, fp32 scales per 128 tokens), and the SwiGLU input in BF16; not the BF16 tokens."""
+    experts = _build(model_parallel, device)
+    payload, probs, _ = _inputs(device)
+    x = ref.dequantize_mxfp4(payload).requires_grad_(True)
+    params = {id(p) for p in experts.parameters()}
+    saved = []
+
+    def pack(t):
+        if id(t) not in params:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts(x, torch.tensor(COUNTS), probs.clone().requires_grad_(True))
+    capacity = colwise_capacity(sum(COUNTS), EXPERTS)  # room for every segment rounded up to 128, known on the host
+    shapes = sorted((str(t.dtype), tuple(t.shape)) for t in saved if t.dim() == 2)
+    assert shapes == sorted([("torch.bfloat16", (sum(COUNTS), 2 * FFN)),
+                             ("torch.float8_e4m3fn", (HIDDEN, capacity)), ("torch.float8_e4m3fn", (FFN, capacity)),
+                             ("torch.float32", (capacity // 128, HIDDEN)), ("torch.float32", (capacity // 128, FFN))])
 
 
 def test_weight_gradients_accumulate_in_main_grad_when_fused(model_parallel, device):
