@@ -3,6 +3,7 @@ steps, the error against unquantized float64 math, what is saved for backward, t
 the checkpoint keys, the spec swap and the refusals. On CPU the kernels run under the interpreter
 and the GEMMs are emulated in fp32; on a GPU the same tests run scaled_mm."""
 
+import contextlib
 import functools
 import gc
 import weakref
@@ -145,20 +146,29 @@ def test_error_against_unquantized_math_is_within_fp8_and_fp4_expectations(model
     assert max(errors.values()) < 0.25, errors
 
 
-def test_saves_only_fp4_and_frees_it_after_backward(model_parallel, device):
-    experts = _build(model_parallel, device)
-    payload, probs, grad = _inputs(device)
-    x = ref.dequantize_mxfp4(payload).requires_grad_(True)
+@contextlib.contextmanager
+def _saved_activations(experts):
+    """The tensors a forward inside saves for backward, the experts' parameters left out."""
     params = {id(p) for p in experts.parameters()}
     saved = []
 
     def pack(t):
         if id(t) not in params:
-            saved.append((t.dtype, t.numel() * t.element_size(), weakref.ref(t)))
+            saved.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+def test_saves_only_fp4_and_frees_it_after_backward(model_parallel, device):
+    experts = _build(model_parallel, device)
+    payload, probs, grad = _inputs(device)
+    x = ref.dequantize_mxfp4(payload).requires_grad_(True)
+    with _saved_activations(experts) as activations:
         out, _ = experts(x, torch.tensor(COUNTS), probs.clone().requires_grad_(True), payload=payload)
+    saved = [(t.dtype, t.numel() * t.element_size(), weakref.ref(t)) for t in activations]
+    del activations
     tokens = sum(COUNTS)
     expected = tokens * (mxfp4_wire_bytes_per_row(HIDDEN) + mxfp4_wire_bytes_per_row(2 * FFN)
                          + mxfp4_wire_bytes_per_row(FFN))
@@ -179,15 +189,7 @@ def test_fp8_baseline_saves_fp8_columns_and_the_bf16_swiglu_input(model_parallel
     experts = _build(model_parallel, device)
     payload, probs, _ = _inputs(device)
     x = ref.dequantize_mxfp4(payload).requires_grad_(True)
-    params = {id(p) for p in experts.parameters()}
-    saved = []
-
-    def pack(t):
-        if id(t) not in params:
-            saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _saved_activations(experts) as saved:
         experts(x, torch.tensor(COUNTS), probs.clone().requires_grad_(True))
     capacity = colwise_capacity(sum(COUNTS), EXPERTS)  # room for every segment rounded up to 128, known on the host
     shapes = sorted((str(t.dtype), tuple(t.shape)) for t in saved if t.dim() == 2)
