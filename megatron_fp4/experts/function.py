@@ -8,7 +8,8 @@ fc2 = H W2^T from 1x128 rows of H. Weights are in 128x128 blocks, quantized once
 SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the
 FP8 baseline), what its weight gradients read, as Transformer Engine's FP8 layers keep it: the fc1
 and fc2 inputs as FP8 columns (built in forward instead of backward: the same values), and the
-SwiGLU input in BF16.
+SwiGLU input in BF16. Inside Megatron's recompute the payload is still kept (its values are exact)
+but the SwiGLU and fc2 inputs are kept as in the baseline: nothing inexact is stored in FP4 there.
 
 Backward: dgrad in FP8 (gradient 1x128 rows, weights transposed 128x128); wgrad in FP8 with both
 operands 1x128 along tokens (the column kernels' layout). With Megatron's fused gradient
@@ -50,6 +51,9 @@ class ExpertsCall:
     weight_cache: Optional[FP8WeightCache] = None  # the module's FP8 weights for the step; None: per use
     gemms: ExpertGemms = ExpertGemms.GROUPED
     telemetry: Optional[Telemetry] = None  # counts the MXFP4 activations saved for backward
+    # With a payload: the SwiGLU and fc2 inputs kept in MXFP4. False inside Megatron's recompute, where
+    # nothing inexact is kept in FP4: then BF16 SwiGLU input and FP8 columns of the fc2 input.
+    fp4_activations: bool = True
 
 
 def weight_gradients(params, grad_cols, input_cols, dtype, call: ExpertsCall) -> list:
@@ -94,23 +98,16 @@ class FP8ExpertsFunction(torch.autograd.Function):
 
         if not call.backward_follows:
             return output
-        if payload_rows is not None:
-            saved = (payload_rows, K.quantize_mxfp4(fc1_out, call.scale_rule).rows,
-                     K.quantize_mxfp4(fc2_in, call.scale_rule).rows)
-        elif segments.num_tokens:
-            counts = segments.counts_device
-            saved = (*K.quantize_fp8_cols(tokens, counts, check_counts=False).colwise_parts(), fc1_out,
-                     *K.quantize_fp8_cols(fc2_in, counts, check_counts=False).colwise_parts())
-        else:  # no tokens: backward returns zeros without reading anything
-            saved = ()
+        ctx.from_payload = payload_rows is not None
+        ctx.fp4_activations = ctx.from_payload and call.fp4_activations
+        saved = _saved_activations(ctx, call, tokens, payload_rows, fc1_out, fc2_in)
         ctx.save_for_backward(*saved, probs, *weights)
         ctx.num_activations = len(saved)
         # Bytes of the MXFP4 activations kept for backward (uint8 rows), for the telemetry.
-        ctx.fp4_bytes = sum(rows.numel() for rows in saved) if payload_rows is not None else 0
+        ctx.fp4_bytes = sum(t.numel() for t in saved if t.dtype == torch.uint8)
         if call.telemetry is not None:
             call.telemetry.hold(ctx.fp4_bytes)
         ctx.call = call
-        ctx.from_payload = payload_rows is not None
         ctx.sizes = (hidden, ffn)
         return output
 
@@ -138,13 +135,13 @@ class FP8ExpertsFunction(torch.autograd.Function):
             return MXFP4Tensor(rows, width, call.scale_rule)
 
         # fc2: dgrad and wgrad.
-        if ctx.from_payload:
-            saved_input, saved_fc1_out, saved_fc2_in = activations
-            fc2_in_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_fc2_in, ffn), counts, check_counts=False)
-            fc1_out = K.dequantize_mxfp4(mxfp4(saved_fc1_out, 2 * ffn))
+        saved_input, saved_acts = (activations[:1], activations[1:]) if ctx.from_payload else (
+            activations[:3], activations[3:])
+        if ctx.fp4_activations:
+            fc1_out = K.dequantize_mxfp4(mxfp4(saved_acts[0], 2 * ffn))
+            fc2_in_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_acts[1], ffn), counts, check_counts=False)
         else:
-            input_cols, fc2_in_cols = (FP8BlockTensor.from_colwise_parts(activations[i : i + 3]) for i in (0, 4))
-            fc1_out = activations[3]
+            fc1_out, fc2_in_cols = saved_acts[0], FP8BlockTensor.from_colwise_parts(saved_acts[1:])
         grad_fc2_in, grad_fc2 = _linear_backward(call, grad_output, fc2_in_cols, fc2_weights,
                                                    _fp8_weights(call, "fc2", fc2_weights, True), wgrads)
         del fc2_in_cols
@@ -153,12 +150,32 @@ class FP8ExpertsFunction(torch.autograd.Function):
 
         # fc1: dgrad and wgrad (from the payload, its columns are built only now, after fc2's are freed).
         if ctx.from_payload:
-            input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input, hidden), counts, check_counts=False)
+            input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input[0], hidden), counts, check_counts=False)
+        else:
+            input_cols = FP8BlockTensor.from_colwise_parts(saved_input)
         grad_input, grad_fc1 = _linear_backward(call, grad_fc1_out, input_cols, fc1_weights,
                                                    _fp8_weights(call, "fc1", fc1_weights, True), wgrads)
         del grad_fc1_out, input_cols
         _release_saved_fp4(ctx)
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
+
+
+def _saved_activations(ctx, call: ExpertsCall, tokens, payload_rows, fc1_out, fc2_in) -> tuple:
+    """What backward reads, as save_for_backward takes it: the fc1 input (the payload, exact; else
+    FP8 columns), then the SwiGLU and fc2 inputs (MXFP4 rows; else BF16 and FP8 columns, as
+    Transformer Engine's FP8 layers keep them). Nothing for a rank without tokens."""
+    if not call.segments.num_tokens:
+        return ()
+    counts = call.segments.counts_device
+
+    def columns(x):
+        return K.quantize_fp8_cols(x, counts, check_counts=False).colwise_parts()
+
+    fc1_input = (payload_rows,) if ctx.from_payload else columns(tokens)
+    if ctx.fp4_activations:
+        return (*fc1_input, K.quantize_mxfp4(fc1_out, call.scale_rule).rows,
+                K.quantize_mxfp4(fc2_in, call.scale_rule).rows)
+    return (*fc1_input, fc1_out, *columns(fc2_in))
 
 
 def _release_saved_fp4(ctx) -> None:

@@ -15,6 +15,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from .checkpoint_format import check_optimizer_checkpoint_format
 from ..options import ExpertsPrecision, FP4Options, ModelSettings, Route, validate
+from ..recompute_scope import recomputed_by
 from ..telemetry import Telemetry
 from ..tensors import MXFP4Tensor
 from .function import ExpertGemms, ExpertsCall, FP8ExpertsFunction
@@ -36,6 +37,8 @@ class FP8Experts(SequentialMLP):
         # The MXFP4 rule for the activations these experts save (the payload brings its own).
         self.scale_rule = options.scale_rule
         self.weight_cache = None if options.weights_per_use else FP8WeightCache()
+        # Under `moe` recompute the experts run inside Megatron's checkpoint: no inexact FP4 there.
+        self.fp4_activations = not recomputed_by(frozenset({"moe"}), config)
         self.gemms = gemms  # the benchmarks compare both; a spec builds the default
 
     def _run_weight_holders_pre_hooks(self) -> None:
@@ -69,7 +72,7 @@ class FP8Experts(SequentialMLP):
             tokens.requires_grad or permuted_probs.requires_grad or any(w.requires_grad for w in weights))
         call = ExpertsCall(segments, payload.scale_rule if payload is not None else self.scale_rule,
                            float(self.config.glu_linear_offset), self.accumulate_in_main_grad, backward_follows,
-                           self.weight_cache, self.gemms, telemetry)
+                           self.weight_cache, self.gemms, telemetry, self.fp4_activations)
         output = FP8ExpertsFunction.apply(call, tokens, permuted_probs,
                                           payload.rows if payload is not None else None, *weights)
         return output, None

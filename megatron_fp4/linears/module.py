@@ -18,6 +18,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from ..experts.weight_cache import FP8WeightCache
 from ..formats import FP8_BLOCK
 from ..options import FP4Options, LinearsPrecision, ModelSettings, Route, Storage, UnsupportedConfiguration, validate
+from ..recompute_scope import recomputed_by
 from .function import FP8LinearFunction, LinearCall, SavedInput
 
 
@@ -40,17 +41,9 @@ _RECOMPUTED_BY = {
 }
 
 
-def recomputed(role: LinearRole, config) -> bool:
-    """Whether Megatron recomputes the layers of `role` under `config` (full recompute: all)."""
-    granularity = getattr(config, "recompute_granularity", None)
-    if granularity == "full":
-        return True
-    return granularity == "selective" and bool(_RECOMPUTED_BY[role] & set(config.recompute_modules or ()))
-
-
 def saved_input(options: FP4Options, role: LinearRole, config) -> SavedInput:
     """How a linear layer of `role` keeps its input for the weight gradient."""
-    if options.storage is Storage.ALL and not recomputed(role, config):
+    if options.storage is Storage.ALL and not recomputed_by(_RECOMPUTED_BY[role], config):
         return SavedInput.MXFP4
     return SavedInput.FP8
 

@@ -198,6 +198,27 @@ def test_fp8_baseline_saves_fp8_columns_and_the_bf16_swiglu_input(model_parallel
                              ("torch.float32", (capacity // 128, HIDDEN)), ("torch.float32", (capacity // 128, FFN))])
 
 
+def test_inside_moe_recompute_only_the_exact_payload_is_kept_in_fp4(model_parallel, device):
+    """Under `moe` recompute the experts run inside Megatron's checkpoint: the payload (exact FP4
+    values) is kept, the SwiGLU input in BF16 and the fc2 input as FP8 columns, not in MXFP4; the
+    math is the oracle's with those saved tensors."""
+    experts = _build(model_parallel, device, recompute_granularity="selective", recompute_modules=["moe"])
+    payload, probs, grad = _inputs(device)
+    received = ref.dequantize_mxfp4(payload)
+    x = received.clone().requires_grad_(True)
+    with _saved_activations(experts) as saved:
+        experts(x, torch.tensor(COUNTS), probs.clone().requires_grad_(True), payload=payload)
+    kinds = sorted((str(t.dtype), tuple(t.shape)) for t in saved if t.dim() == 2)
+    capacity = colwise_capacity(sum(COUNTS), EXPERTS)
+    assert kinds == sorted([("torch.uint8", tuple(payload.rows.shape)), ("torch.bfloat16", (sum(COUNTS), 2 * FFN)),
+                            ("torch.float8_e4m3fn", (FFN, capacity)), ("torch.float32", (capacity // 128, FFN))])
+    del saved
+    result = _run(experts, received, probs, grad, payload)
+    oracle = fp8_experts_oracle(received.cpu(), ref.quantize_mxfp4(received.cpu()), COUNTS, probs.cpu(),
+                                *_weights(experts), grad.cpu(), fp4_activations=False)
+    _compare(result, oracle, experts, bound=2e-2 if device.type == "cuda" else 1e-3)
+
+
 def test_weight_gradients_accumulate_in_main_grad_when_fused(model_parallel, device):
     experts = _build(model_parallel, device)
     fused = _build(model_parallel, device, gradient_accumulation_fusion=True)

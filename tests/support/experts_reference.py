@@ -41,9 +41,10 @@ def _swiglu(fc1_out, probs, offset):
 
 def fp8_experts_oracle(tokens: torch.Tensor, payload: Optional[MXFP4Tensor], counts: List[int], probs,
                        fc1: List[torch.Tensor], fc2: List[torch.Tensor], grad_output,
-                       offset: float = 0.0) -> ExpertsResult:
+                       offset: float = 0.0, fp4_activations: bool = True) -> ExpertsResult:
     """Forward and backward of the FP8 experts. With a payload the input operand is its exact FP8
-    conversion and the SwiGLU / fc2 inputs are kept in MXFP4; without, all three stay BF16."""
+    conversion and the SwiGLU / fc2 inputs are kept in MXFP4 (unless fp4_activations is False, as
+    inside Megatron's recompute); without, all three are kept at their BF16 values."""
     bf16 = tokens.dtype
     ffn = fc2[0].shape[1]
     starts = [0]
@@ -62,8 +63,9 @@ def fp8_experts_oracle(tokens: torch.Tensor, payload: Optional[MXFP4Tensor], cou
             output[starts[e] : starts[e + 1]] = (h[starts[e] : starts[e + 1]] @ _weight(fc2[e]).t()).to(bf16)
 
     # Backward, from what was saved.
-    saved_fc1_out = _fp4_round(fc1_out) if payload is not None else fc1_out
-    saved_fc2_in = _fp4_round(fc2_in) if payload is not None else fc2_in
+    fp4_acts = payload is not None and fp4_activations
+    saved_fc1_out = _fp4_round(fc1_out) if fp4_acts else fc1_out
+    saved_fc2_in = _fp4_round(fc2_in) if fp4_acts else fc2_in
     saved_input = ref.dequantize_mxfp4(payload) if payload is not None else tokens
     g_rows = _rows(grad_output)
     grad_fc2_in = torch.zeros(len(tokens), ffn, dtype=bf16)
@@ -73,7 +75,7 @@ def fp8_experts_oracle(tokens: torch.Tensor, payload: Optional[MXFP4Tensor], cou
         grad_fc2_in[rows] = (g_rows[rows] @ _weight(fc2[e], transpose=True).t()).to(bf16)
         # The wgrad operands are 1x128 blocks along each expert's tokens (padded with zeros).
         g_cols = ref.dequantize_fp8(ref.quantize_fp8_cols(grad_output[rows], [n]), F64)[:, :n]
-        h_cols = _fp8_columns(saved_fc2_in[rows], n, payload is not None)
+        h_cols = _fp8_columns(saved_fc2_in[rows], n, fp4_acts)
         grad_fc2.append((g_cols @ h_cols.t()).to(bf16))
     fc1_out_b = saved_fc1_out.to(F64).requires_grad_(True)
     probs_b = probs.to(F64).requires_grad_(True)

@@ -1,0 +1,13 @@
+"""Whether Megatron recomputes a module, from its config: nothing inside a recomputation is kept in
+FP4 unless it is exact (DESIGN §7), so the FP8 linears and experts ask before storing MXFP4."""
+
+from typing import FrozenSet
+
+
+def recomputed_by(modules: FrozenSet[str], config) -> bool:
+    """Whether a module that Megatron's selective recompute names `modules` (any of them) is
+    recomputed under `config`; under full recompute everything is."""
+    granularity = getattr(config, "recompute_granularity", None)
+    if granularity == "full":
+        return True
+    return granularity == "selective" and bool(modules & set(config.recompute_modules or ()))
