@@ -4,6 +4,7 @@ trained side by side on one GPU, then their final whole-validation loss against 
     python -m benchmarks.bench_convergence                        # the default runs, 2000 iterations
     python -m benchmarks.bench_convergence --iters 20 --runs bf16,fp4 --budget-s 100   # smoke
     python -m benchmarks.bench_convergence --run "bf16_lr2 bf16 1234 --lr 2e-3"        # a run of your own
+    python -m benchmarks.bench_convergence --from-logs DIR [--reference-from DIR2]     # rows from logs
 
 Builds the corpus when its prefix is missing (megatron_fp4.corpus: this machine's standard library
 and torch sources), refuses runs that would see one epoch or more of its train split, then starts
@@ -21,6 +22,17 @@ repeat and the BF16 run with another init and the same data order are the noise 
 convergence_curves.jsonl (bench=convergence_curves: one row per logged iteration per run). Each row
 carries the validation set's SHA-256 (printed by the trainer) and whether it equals the reference's.
 
+A SIGTERM or SIGINT while the runs train stops them as the budget does (bounded: SIGTERM, SIGKILL
+STOP_GRACE_S later, KILL_WAIT_S more at most), then the summary and the rows are written for what the
+logs hold and the harness exits 128 + the signal; a run whose log holds its final validation loss
+counts as finished. Under an outer time limit keep --budget-s WRITE_MARGIN_S (30 s) below what the
+limit leaves when the runs start, and let the limit signal before it kills (`timeout -k 25 ...`).
+At start the harness writes corpus.json (the corpus record the rows need) and harness.json (the rows'
+GPU, versions, commit and start time, the iterations, the runs) into the out dir; --from-logs DIR
+then writes the summary and rows of DIR's logs without launching (status "re-read from DIR"), and
+--reference-from DIR2 takes BF16 references missing among the runs from another invocation's out dir
+(same corpus and validation set, else that comparison is refused).
+
 Seeds: --seed sets the model's initialization; the data order (the GPTDataset shuffle and the
 sample windows, validation included) follows MEGATRON_FP4_DATA_SEED when a run names a data seed
 (launch/data_order.py), else --seed. A run spec is "NAME CONFIG SEED [data_seed=N] [FLAGS ...]",
@@ -28,6 +40,7 @@ CONFIG a name in configs/convergence/ or a path.
 """
 
 import argparse
+import json
 import math
 import os
 import shlex
@@ -40,7 +53,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from benchmarks.convergence_log import RunLog, largest_jump, parse_log, tokens_per_second
-from benchmarks.rows import Recorder
+from benchmarks.rows import Recorder, run_info
 from megatron_fp4.console import quiet_third_party_notices
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +63,13 @@ DEFAULT_CORPUS = REPO / "runs" / "corpus" / "python_sources"
 REFERENCE_CONFIG = "bf16"
 SEEDS = (1234, 5678)
 LOSS_UNIT = "nats/token"
-STOP_GRACE_S = 15
+DEFAULT_ITERS = 2000
+STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL (the trainer saves nothing on SIGTERM)
+KILL_WAIT_S = 5
+TICK_S = 0.2  # how often the harness looks at its runs and for a signal
+WRITE_MARGIN_S = 30  # stopping the runs (STOP_GRACE_S + KILL_WAIT_S), parsing the logs, writing the rows
+CORPUS_JSON = "corpus.json"  # in the out dir: the corpus record the rows need (--from-logs)
+HARNESS_JSON = "harness.json"  # in the out dir: the rows' run info, the iterations and the runs
 
 
 @dataclass(frozen=True)
@@ -143,17 +162,27 @@ def config_numbers(run: Run) -> dict:
     return {"global_batch_size": args.global_batch_size, "seq_length": args.seq_length, "split": args.split}
 
 
-def check_less_than_one_epoch(runs: List[Run], iters: int, corpus: Path) -> dict:
-    """Tokens per run against the corpus's train split; raises SystemExit for one epoch or more."""
+def corpus_record(corpus: Path, runs: List[Run]) -> dict:
+    """What the rows and the epoch check need of an existing corpus, as the harness copies it into the
+    out dir (corpus.json): its SHA-256, tokens and the train split's tokens under each run's --split."""
     from megatron_fp4.corpus import read_record, split_tokens
 
     record = read_record(corpus)
-    sizes, train_tokens = {}, {}
+    splits = sorted({config_numbers(run)["split"] for run in runs})
+    return {"prefix": str(corpus), "sha256": record["sha256"], "tokens": record["tokens"],
+            "train_split_tokens": {split: split_tokens(corpus, split)[0] for split in splits}}
+
+
+def check_less_than_one_epoch(runs: List[Run], iters: int, record: dict) -> dict:
+    """Tokens per run against the corpus's train split (record: corpus_record's); raises SystemExit for
+    one epoch or more."""
+    sizes = {}
     for run in runs:
         numbers = config_numbers(run)
-        if numbers["split"] not in train_tokens:
-            train_tokens[numbers["split"]] = split_tokens(corpus, numbers["split"])[0]
-        train = train_tokens[numbers["split"]]
+        train = record["train_split_tokens"].get(numbers["split"])
+        if train is None:
+            raise SystemExit(f"error: the corpus record has no train split size for run {run.name}'s split "
+                             f"{numbers['split']}; give --corpus, the corpus the run trained on.")
         tokens = iters * numbers["global_batch_size"] * numbers["seq_length"]
         if tokens >= train:
             raise SystemExit(f"error: run {run.name} would train on {tokens} tokens, {tokens / train:.2f} epochs of "
@@ -163,18 +192,54 @@ def check_less_than_one_epoch(runs: List[Run], iters: int, corpus: Path) -> dict
     return {"corpus_sha256": record["sha256"], "corpus_tokens": record["tokens"], "sizes": sizes}
 
 
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the run's process group (launch.py, torchrun, the trainer), SIGKILL after a grace."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(STOP_GRACE_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+class Signals:
+    """SIGTERM and SIGINT while the runs train and the rows are written: the first is remembered (the
+    harness then stops the runs and writes what their logs hold), later ones are ignored so that the
+    rows still get written. Only SIGKILL (an outer `timeout -k`) cuts that short."""
+
+    NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in self.NAMES:
+            self._previous[sig] = signal.signal(sig, self._remember)
+        return self
+
+    def _remember(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def name(self) -> str:
+        return self.NAMES.get(self.received, str(self.received))
+
+
+def _wait_all(processes: List[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        time.sleep(TICK_S)
+
+
+def stop_all(processes: Dict[str, subprocess.Popen]) -> List[str]:
+    """SIGTERM to every run's process group (launch.py, torchrun, the trainer), SIGKILL to every group
+    after STOP_GRACE_S (also what outlived its launcher), then at most KILL_WAIT_S more: bounded by
+    STOP_GRACE_S + KILL_WAIT_S in all, however many runs. Returns the runs whose launcher had still not
+    exited."""
+    for sig, seconds in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
+        for process in processes.values():
+            try:
+                os.killpg(process.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass  # the group has ended
+        _wait_all(list(processes.values()), seconds)
+    return [name for name, process in processes.items() if process.poll() is None]
 
 
 def read_log(run_dir: Path) -> RunLog:
@@ -195,41 +260,119 @@ def progress_line(elapsed: float, runs: List[Run], logs: Dict[str, RunLog], iter
     return f"[{elapsed:5.0f} s] " + " | ".join(parts)
 
 
-def run_all(runs: List[Run], iters: int, corpus: Path, out_dir: Path, budget_s: float, poll_s: float) -> Dict[str, str]:
-    """Start every run, report progress, stop what is left at the budget; returns each run's status."""
-    processes = {}
-    for run in runs:
-        run_dir = out_dir / run.name
-        run_dir.mkdir(parents=True, exist_ok=True)
-        argv = command(run, iters, corpus, run_dir)
-        (run_dir / "harness_command.txt").write_text(shlex.join(argv) + "\n")
-        with open(run_dir / "launch.out", "wb") as out:
-            processes[run.name] = subprocess.Popen(argv, env=environment(run, run_dir), cwd=REPO, stdout=out,
-                                                   stderr=subprocess.STDOUT, start_new_session=True)
-        print(f"started {run.name}: {run.config_path().name}, seed {run.seed}, data order {run.order}, {run_dir}",
-              flush=True)
-    start, status = time.monotonic(), {}
-    while len(status) < len(runs):
-        time.sleep(poll_s)
-        elapsed = time.monotonic() - start
-        for name, process in processes.items():
-            if name not in status and process.poll() is not None:
-                status[name] = "finished" if process.returncode == 0 else f"failed (exit {process.returncode})"
-        if elapsed > budget_s:
+def stopped_status(process: subprocess.Popen, log: RunLog, why: str, stuck: bool) -> str:
+    """The status of a run that was still going when it was stopped (`why`): a run whose log holds its
+    final validation loss had finished training and evaluating and was stopped while exiting."""
+    if process.returncode == 0:
+        return "finished"
+    if log.final_validation_loss is not None:
+        return f"finished (final validation logged; {why} while exiting)"
+    return why + (" (its launcher outlived SIGKILL)" if stuck else "")
+
+
+def run_all(runs: List[Run], iters: int, corpus: Path, out_dir: Path, budget_s: float, poll_s: float,
+            signals: Optional[Signals] = None) -> Dict[str, str]:
+    """Start every run, report progress, stop what is left at the budget or at the first SIGTERM/SIGINT
+    (`signals`); returns each run's status. Whatever ends this, no run is left going."""
+    signals = signals or Signals()
+    processes, status = {}, {}
+    try:
+        for run in runs:
+            if signals.received is not None:
+                status[run.name] = f"not started ({signals.name})"
+                continue
+            run_dir = out_dir / run.name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            argv = command(run, iters, corpus, run_dir)
+            (run_dir / "harness_command.txt").write_text(shlex.join(argv) + "\n")
+            with open(run_dir / "launch.out", "wb") as out:
+                processes[run.name] = subprocess.Popen(argv, env=environment(run, run_dir), cwd=REPO, stdout=out,
+                                                       stderr=subprocess.STDOUT, start_new_session=True)
+            print(f"started {run.name}: {run.config_path().name}, seed {run.seed}, data order {run.order}, {run_dir}",
+                  flush=True)
+        start = time.monotonic()
+        next_report = start + poll_s
+        while True:
             for name, process in processes.items():
-                if name not in status:
-                    stop(process)
-                    status[name] = f"stopped at the {budget_s:g} s budget"
-        logs = {run.name: read_log(out_dir / run.name) for run in runs}
-        print(progress_line(elapsed, runs, logs, iters, status), flush=True)
-    return status
+                if name not in status and process.poll() is not None:
+                    status[name] = "finished" if process.returncode == 0 else f"failed (exit {process.returncode})"
+            elapsed = time.monotonic() - start
+            going = {name: process for name, process in processes.items() if name not in status}
+            if going and (signals.received is not None or elapsed > budget_s):
+                why = f"stopped by {signals.name}" if signals.received is not None else f"stopped at the {budget_s:g} s budget"
+                print(f"{why}: stopping {', '.join(going)}", flush=True)
+                stuck = stop_all(going)
+                for name, process in going.items():
+                    status[name] = stopped_status(process, read_log(out_dir / name), why, name in stuck)
+            if len(status) == len(runs) or time.monotonic() >= next_report:
+                logs = {run.name: read_log(out_dir / run.name) for run in runs}
+                print(progress_line(elapsed, runs, logs, iters, status), flush=True)
+                next_report = time.monotonic() + poll_s
+            if len(status) == len(runs):
+                return status
+            time.sleep(TICK_S)
+    finally:
+        left = {name: process for name, process in processes.items() if process.poll() is None}
+        if left:  # an error in the harness itself: the runs live in sessions of their own
+            stop_all(left)
 
 
-def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str], iters: int, corpus_info: dict) -> None:
-    refs = references(runs)
+@dataclass
+class Reference:
+    """A run's BF16 reference: a run of the same invocation, or of another one (`source`, the run
+    directory of --reference-from)."""
+    run: Run
+    log: RunLog
+    source: Optional[Path] = None
+
+    @property
+    def label(self) -> str:
+        return f"BF16 {self.run.name}" + (" (another invocation)" if self.source else "")
+
+
+def resolve_references(runs: List[Run], logs: Dict[str, RunLog], reference_dir: Optional[Path] = None,
+                       corpus_sha256: Optional[str] = None) -> Dict[str, Reference]:
+    """Each run's reference among `runs` (references()); for a run without one, the plain BF16 run of
+    its data order in `reference_dir` (another invocation), when its validation set has the same
+    SHA-256 (and its corpus, where that directory's corpus.json says, the same SHA-256)."""
+    chosen = {name: Reference(run, logs[run.name]) for name, run in references(runs).items()}
+    if reference_dir is None:
+        return chosen
+    candidates = [run for run in invocation_runs(reference_dir)
+                  if run.config == REFERENCE_CONFIG and not run.flags and run.data_seed is None]
+    other_corpus = read_json(reference_dir / CORPUS_JSON)
+    for run in runs:
+        if run.name in chosen:
+            continue
+        found = references(candidates + [run]).get(run.name)
+        if found is None:
+            print(f"{run.name}: no plain BF16 run of data order {run.order} in {reference_dir} either: no comparison rows")
+            continue
+        ref_log = read_log(reference_dir / found.name)
+        where = f"BF16 {found.name} of {reference_dir}"
+        if other_corpus and corpus_sha256 and other_corpus["sha256"] != corpus_sha256:
+            print(f"{run.name}: no comparison with {where}: it trained on another corpus "
+                  f"(sha256 {other_corpus['sha256'][:16]}, not {corpus_sha256[:16]}).")
+        elif ref_log.validation_sha256 is None or ref_log.validation_sha256 != logs[run.name].validation_sha256:
+            print(f"{run.name}: no comparison with {where}: its validation set (sha256 "
+                  f"{(ref_log.validation_sha256 or 'not logged')[:16]}) is not this run's "
+                  f"({(logs[run.name].validation_sha256 or 'not logged')[:16]}).")
+        else:
+            chosen[run.name] = Reference(found, ref_log, reference_dir)
+    return chosen
+
+
+def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str], iters: int, corpus_info: dict,
+               info: Optional[dict] = None, refs: Optional[Dict[str, Reference]] = None,
+               concurrent_runs: Optional[int] = None) -> None:
+    """The rows of `runs` (info: the rows' run_info, default this machine's now; refs: default the
+    references among `runs`)."""
+    refs = resolve_references(runs, logs) if refs is None else refs
     shared = {"iters": iters, "corpus_sha256": corpus_info["corpus_sha256"], "corpus_tokens": corpus_info["corpus_tokens"],
-              "concurrent_runs": len(runs)}
+              "concurrent_runs": concurrent_runs or len(runs)}
     results, curves = Recorder("convergence", gpus=1, **shared), Recorder("convergence_curves", gpus=1, **shared)
+    if info is not None:
+        results.info = dict(info)
     curves.info = results.info  # one `run` time for both files (plot_convergence.py pairs them by it)
     print(results.description())
     for run in runs:
@@ -244,67 +387,120 @@ def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str],
         if reference is None:
             print(f"{run.name}: no BF16 run of the same data order among the runs: no comparison rows")
             continue
-        ref_log = logs[reference.name]
-        about.update(role=role(run, reference), reference_run=reference.name,
+        ref_log, label = reference.log, reference.label
+        about.update(role=role(run, reference.run), reference_run=reference.run.name,
                      same_validation_set=log.validation_sha256 is not None
                      and log.validation_sha256 == ref_log.validation_sha256)
+        if reference.source is not None:
+            about["reference_dir"] = str(reference.source)
         if log.final_validation_loss is not None and ref_log.final_validation_loss is not None:
             results.add(run.name, "final validation loss (whole split)", log.final_validation_loss, LOSS_UNIT,
-                        f"BF16 {reference.name}", ref_log.final_validation_loss, better="closer_to_1", **about)
+                        label, ref_log.final_validation_loss, better="closer_to_1", **about)
         jump, at = largest_jump(log.points)
         ref_jump, _ = largest_jump(ref_log.points)
         if jump > 0 and ref_jump > 0:
-            results.add(run.name, "largest step-to-step loss rise", jump, LOSS_UNIT, f"BF16 {reference.name}", ref_jump,
+            results.add(run.name, "largest step-to-step loss rise", jump, LOSS_UNIT, label, ref_jump,
                         better="lower", at_iteration=at, **about)
         rate, ref_rate = (tokens_per_second(l.points, sizes["tokens_per_iteration"]) for l in (log, ref_log))
-        if rate and ref_rate:
+        if rate and ref_rate and reference.source is None:  # another invocation shared the GPU otherwise
             results.add(run.name, "tokens per second (GPU shared by all runs)", rate, "tokens/s",
-                        f"BF16 {reference.name}", ref_rate, better="higher", **about)
+                        label, ref_rate, better="higher", **about)
         ref_losses = {p.iteration: p.lm_loss for p in ref_log.points}
         for point in log.points:
             if math.isfinite(point.lm_loss) and math.isfinite(ref_losses.get(point.iteration, math.nan)):
-                curves.add(run.name, "lm loss", point.lm_loss, LOSS_UNIT, f"BF16 {reference.name}",
-                           ref_losses[point.iteration], better="closer_to_1", iteration=point.iteration,
-                           role=about["role"], reference_run=reference.name, seed=run.seed)
+                curves.add(run.name, "lm loss", point.lm_loss, LOSS_UNIT, label, ref_losses[point.iteration],
+                           better="closer_to_1", iteration=point.iteration, role=about["role"],
+                           reference_run=reference.run.name, seed=run.seed)
     results.write()
     curves.write()
 
 
-def summary(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str]) -> None:
-    refs = references(runs)
-    print(f"{'run':<30} {'status':<30} {'iters':>6} {'val loss':>9} {'vs BF16':>8} {'nan':>4} {'jump':>7}  validation set")
+def summary(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str],
+            refs: Optional[Dict[str, Reference]] = None) -> None:
+    refs = resolve_references(runs, logs) if refs is None else refs
+    width = max([30] + [len(s) for s in status.values()])
+    print(f"{'run':<30} {'status':<{width}} {'iters':>6} {'val loss':>9} {'vs BF16':>8} {'nan':>4} {'jump':>7}  validation set")
     for run in runs:
         log, reference = logs[run.name], refs.get(run.name)
-        ref_loss = logs[reference.name].final_validation_loss if reference else None
+        ref_loss = reference.log.final_validation_loss if reference else None
         vs = (f"{(log.final_validation_loss / ref_loss - 1) * 100:+.2f}%"
               if log.final_validation_loss is not None and ref_loss else "-")
         loss = f"{log.final_validation_loss:.4f}" if log.final_validation_loss is not None else "-"
-        print(f"{run.name:<30} {status[run.name]:<30} {log.last_iteration:>6} {loss:>9} {vs:>8} {log.nan_iterations:>4} "
-              f"{largest_jump(log.points)[0]:>7.4f}  {(log.validation_sha256 or '-')[:16]}")
+        print(f"{run.name:<30} {status[run.name]:<{width}} {log.last_iteration:>6} {loss:>9} {vs:>8} "
+              f"{log.nan_iterations:>4} {largest_jump(log.points)[0]:>7.4f}  {(log.validation_sha256 or '-')[:16]}")
+
+
+def spec(run: Run) -> str:
+    """The run as parse_run_spec reads it."""
+    data_seed = [f"data_seed={run.data_seed}"] if run.data_seed is not None else []
+    return shlex.join([run.name, run.config, str(run.seed), *data_seed, *run.flags])
+
+
+def read_json(path: Path) -> Optional[dict]:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def invocation_runs(run_dir: Path) -> List[Run]:
+    """The runs of the invocation that wrote `run_dir`: those its harness.json names, else the
+    catalogue's runs that have a log there."""
+    recorded = read_json(run_dir / HARNESS_JSON)
+    if recorded is not None:
+        return [parse_run_spec(text) for text in recorded["runs"]]
+    return [run for name, run in CATALOGUE.items() if (run_dir / name / "train_node0.log").exists()]
+
+
+def report(runs: List[Run], out_dir: Path, status: Dict[str, str], iters: int, corpus_info: dict, info: dict,
+           reference_dir: Optional[Path] = None, concurrent_runs: Optional[int] = None) -> Dict[str, RunLog]:
+    """Parse every run's log, print the summary, write the rows."""
+    logs = {run.name: read_log(out_dir / run.name) for run in runs}
+    refs = resolve_references(runs, logs, reference_dir, corpus_info["corpus_sha256"])
+    summary(runs, logs, status, refs)
+    write_rows(runs, logs, status, iters, corpus_info, info, refs, concurrent_runs)
+    return logs
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_convergence", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", default=",".join(DEFAULT_RUNS),
-                   help=f"comma-separated run names from: {', '.join(CATALOGUE)} (default: %(default)s); '' for none")
+    p.add_argument("--runs", default=None,
+                   help=f"comma-separated run names from: {', '.join(CATALOGUE)} (default: {','.join(DEFAULT_RUNS)}; "
+                        "with --from-logs, the runs of DIR's harness.json); '' for none")
     p.add_argument("--run", action="append", default=[], metavar="SPEC", type=parse_run_spec,
                    help="an extra run: 'NAME CONFIG SEED [data_seed=N] [FLAGS ...]' (repeatable)")
-    p.add_argument("--iters", type=int, default=2000, help="training iterations per run (default %(default)s)")
-    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
-                   help="corpus prefix; built from this machine's Python sources when missing (default %(default)s)")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"training iterations per run (default {DEFAULT_ITERS}; with --from-logs, DIR's harness.json's, "
+                        "else the logs')")
+    p.add_argument("--corpus", type=Path, default=None,
+                   help=f"corpus prefix; built from this machine's Python sources when missing (default {DEFAULT_CORPUS}); "
+                        "with --from-logs, the corpus the logs trained on (default: DIR/corpus.json)")
     p.add_argument("--out-dir", type=Path, default=None, help="run directories (default runs/convergence_<time>)")
     p.add_argument("--budget-s", type=float, default=480.0,
-                   help="wall-clock seconds for the runs, after which the rest are stopped (default %(default)s)")
+                   help="wall-clock seconds for the runs, after which the rest are stopped (default %(default)s); "
+                        f"under an outer time limit, keep it {WRITE_MARGIN_S} s below what is left of that limit "
+                        "when the runs start: stopping them and writing the rows takes up to that")
     p.add_argument("--poll-s", type=float, default=10.0, help="seconds between progress lines (default %(default)s)")
     p.add_argument("--plot", type=Path, default=None, help="also write the plot (benchmarks/plot_convergence.py) here")
     p.add_argument("--dry-run", action="store_true", help="check the runs and print their commands, start nothing")
+    p.add_argument("--from-logs", type=Path, default=None, metavar="DIR",
+                   help="start nothing: write the summary and rows from DIR/<run>/train_node0.log (an --out-dir)")
+    p.add_argument("--reference-from", type=Path, default=None, metavar="DIR",
+                   help="with --from-logs: BF16 references missing among the runs come from this --out-dir of another "
+                        "invocation on the same corpus and validation set")
+    p.add_argument("--gpu", default=None,
+                   help="with --from-logs, when DIR has no harness.json: the GPU the logs were trained on")
     args = p.parse_args(argv)
-    names = [n for n in args.runs.split(",") if n]
-    unknown = [n for n in names if n not in CATALOGUE]
-    if unknown:
-        p.error(f"unknown run(s) {', '.join(unknown)}; known: {', '.join(CATALOGUE)}")
-    args.selected = [CATALOGUE[n] for n in names] + args.run
+    if args.from_logs is None and (args.reference_from or args.gpu):
+        p.error("--reference-from and --gpu go with --from-logs")
+    if args.from_logs is not None and args.dry_run:
+        p.error("--dry-run starts nothing anyway; --from-logs neither")
+    if args.runs is None and args.from_logs is not None and (args.from_logs / HARNESS_JSON).exists():
+        args.selected = invocation_runs(args.from_logs) + args.run
+    else:
+        names = [n for n in (",".join(DEFAULT_RUNS) if args.runs is None else args.runs).split(",") if n]
+        unknown = [n for n in names if n not in CATALOGUE]
+        if unknown:
+            p.error(f"unknown run(s) {', '.join(unknown)}; known: {', '.join(CATALOGUE)}")
+        args.selected = [CATALOGUE[n] for n in names] + args.run
     if not args.selected:
         p.error("no runs: give --runs or --run")
     if len({r.name for r in args.selected}) != len(args.selected):
@@ -312,17 +508,67 @@ def parse_args(argv):
     return args
 
 
+def from_logs(args) -> int:
+    """--from-logs DIR: the summary and rows of DIR's logs, as after a real run, launching nothing."""
+    log_dir, runs = args.from_logs.resolve(), args.selected
+    missing = [run.name for run in runs if not (log_dir / run.name / "train_node0.log").exists()]
+    if missing:
+        raise SystemExit(f"error: {log_dir} has no log of run(s) {', '.join(missing)} (<run>/train_node0.log); "
+                         "name the runs it holds with --runs.")
+    recorded, copied = read_json(log_dir / HARNESS_JSON), read_json(log_dir / CORPUS_JSON)
+    if args.corpus is not None and Path(f"{args.corpus.resolve()}.idx").exists():
+        record = corpus_record(args.corpus.resolve(), runs)
+        if copied is not None and copied["sha256"] != record["sha256"]:
+            raise SystemExit(f"error: the logs in {log_dir} trained on corpus sha256 {copied['sha256'][:16]} "
+                             f"({CORPUS_JSON}), not on {args.corpus} (sha256 {record['sha256'][:16]}).")
+    elif copied is not None:
+        record = copied
+    else:
+        raise SystemExit(f"error: no corpus record for the logs in {log_dir}: give --corpus, the prefix of the existing "
+                         f"corpus they trained on, or put its record in {log_dir / CORPUS_JSON}.")
+    logs = {run.name: read_log(log_dir / run.name) for run in runs}
+    totals = {log.total_iterations for log in logs.values() if log.total_iterations}
+    iters = args.iters or (recorded or {}).get("iters") or (totals.pop() if len(totals) == 1 else None)
+    if iters is None:
+        raise SystemExit(f"error: the logs in {log_dir} do not agree on the iterations asked; give --iters.")
+    corpus_info = check_less_than_one_epoch(runs, iters, record)
+    if recorded is not None:
+        info = dict(recorded["info"])
+    elif args.gpu:
+        info = {"gpu": args.gpu, "gpus": 1, "torch": "unknown", "python": "unknown", "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                "run": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    else:
+        raise SystemExit(f"error: {log_dir} has no {HARNESS_JSON} to say which GPU trained the runs; give --gpu NAME.")
+    commit = os.environ.get("MEGATRON_FP4_COMMIT") or info.get("commit")
+    if not commit:
+        raise SystemExit(f"error: which commit trained the runs in {log_dir}? Set MEGATRON_FP4_COMMIT.")
+    info["commit"] = commit
+    status = {run.name: f"re-read from {log_dir}" for run in runs}
+    concurrent = len(recorded["runs"]) if recorded is not None else None
+    report(runs, log_dir, status, iters, corpus_info, info, args.reference_from and args.reference_from.resolve(),
+           concurrent)
+    return 0
+
+
 def main(argv=None) -> int:
     quiet_third_party_notices()  # before Megatron is imported
     args = parse_args(argv)
-    runs = args.selected
-    corpus = args.corpus.resolve()
+    if args.from_logs is not None:
+        code = from_logs(args)
+        if args.plot is not None:
+            from benchmarks import plot_convergence
+
+            plot_convergence.main(["--out", str(args.plot)])
+        return code
+    runs, iters = args.selected, args.iters or DEFAULT_ITERS
+    corpus = (args.corpus or DEFAULT_CORPUS).resolve()
     if not Path(f"{corpus}.idx").exists():
         from megatron_fp4.corpus import build_corpus
 
         print(f"building the corpus {corpus} ...", flush=True)
         build_corpus(corpus)
-    corpus_info = check_less_than_one_epoch(runs, args.iters, corpus)
+    record = corpus_record(corpus, runs)
+    corpus_info = check_less_than_one_epoch(runs, iters, record)
     for run in runs:
         sizes = corpus_info["sizes"][run.name]
         print(f"{run.name}: {sizes['tokens_per_iteration']} tokens/iteration, {sizes['tokens_per_run']} per run, "
@@ -334,22 +580,29 @@ def main(argv=None) -> int:
 
         for run in runs:
             try:  # what scripts/launch.py --dry-run checks
-                validate_config(load_config(run.config_path()), command(run, args.iters, corpus, out_dir)[3:])
+                validate_config(load_config(run.config_path()), command(run, iters, corpus, out_dir)[3:])
             except (ConfigError, UnsupportedConfiguration) as err:
                 print(f"error: run {run.name}: {err}", file=sys.stderr)
                 return 2
             seed = f"MEGATRON_FP4_DATA_SEED={run.data_seed} " if run.data_seed is not None else ""
-            print(seed + shlex.join(command(run, args.iters, corpus, out_dir / run.name)))
+            print(seed + shlex.join(command(run, iters, corpus, out_dir / run.name)))
         return 0
-    status = run_all(runs, args.iters, corpus, out_dir, args.budget_s, args.poll_s)
-    logs = {run.name: read_log(out_dir / run.name) for run in runs}
-    summary(runs, logs, status)
-    write_rows(runs, logs, status, args.iters, corpus_info)
-    if args.plot is not None:
-        from benchmarks import plot_convergence
+    info = run_info(gpus=1)  # the rows' GPU, versions, commit and start time, also for --from-logs later
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CORPUS_JSON).write_text(json.dumps(record, indent=1) + "\n")
+    (out_dir / HARNESS_JSON).write_text(json.dumps(
+        {"info": info, "iters": iters, "budget_s": args.budget_s, "runs": [spec(run) for run in runs]}, indent=1) + "\n")
+    with Signals() as signals:  # from here a SIGTERM or SIGINT still ends with the rows written
+        status = run_all(runs, iters, corpus, out_dir, args.budget_s, args.poll_s, signals)
+        report(runs, out_dir, status, iters, corpus_info, info)
+        if args.plot is not None:
+            from benchmarks import plot_convergence
 
-        plot_convergence.main(["--out", str(args.plot)])
-    return 0 if all(s == "finished" for s in status.values()) else 1
+            plot_convergence.main(["--out", str(args.plot)])
+    if signals.received is not None:
+        print(f"{signals.name}: the runs were stopped; the rows hold what their logs held", flush=True)
+        return 128 + signals.received
+    return 0 if all(s.startswith("finished") for s in status.values()) else 1
 
 
 if __name__ == "__main__":

@@ -12,4 +12,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-python3 -m benchmarks.bench_convergence --plot "${PLOT:-docs/convergence.png}" "$@"
+# exec: a SIGTERM to this script (an outer timeout) reaches the harness, which then stops the runs
+# and still writes the rows.
+exec python3 -m benchmarks.bench_convergence --plot "${PLOT:-docs/convergence.png}" "$@"

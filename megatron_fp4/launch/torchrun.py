@@ -139,6 +139,7 @@ def main(argv=None) -> int:
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
             log.write(line)
+            log.flush()  # a launcher stopped by SIGTERM keeps no line back from the log
             if refusal is None and line.startswith(b"error: "):  # a training process's refusal (launch.refusal)
                 refusal = line.decode(errors="replace")[len("error: "):].strip()
         status = process.wait()

@@ -5,9 +5,13 @@ torchrun that prints that log (rows, curves, the plot), its wall-clock budget an
 
 import json
 import math
+import os
 import re
 import shlex
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +167,106 @@ def test_the_plot_from_rows(tmp_path):
     (tmp_path / "convergence.jsonl").write_text(json.dumps(final) + "\n")
     assert plot_convergence.main(["--results", str(tmp_path), "--out", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _rows(results_dir):
+    return [[json.loads(line) for line in (results_dir / f"{bench}.jsonl").read_text().splitlines()]
+            for bench in ("convergence", "convergence_curves")]
+
+
+def _without(rows_, *names):
+    return [{k: v for k, v in row.items() if k not in names} for row in rows_]
+
+
+# The canned log up to its final evaluation (no "validation loss at iteration" line).
+UNFINISHED = "".join(LOG.read_text().partition("Evaluating on")[:1])
+
+
+def test_sigterm_stops_the_runs_and_writes_their_rows(tmp_path, monkeypatch, small_corpus, capsys):
+    # bf16 prints its final validation loss and hangs while exiting; bf16_init2 hangs in its evaluation.
+    code = (f"import os, time; log = open({str(LOG)!r}).read(); "
+            f"print(log if os.environ['RUN_DIR'].endswith('/bf16') else {UNFINISHED!r}, flush=True); time.sleep(120)")
+    runs = tmp_path / "runs"
+
+    def terminate_when_logged():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            logs = [runs / name / "train_node0.log" for name in ("bf16", "bf16_init2")]
+            if all(log.exists() and "iteration        6/" in log.read_text() for log in logs):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=terminate_when_logged, daemon=True).start()
+    start = time.monotonic()
+    status = _harness(tmp_path, monkeypatch, code, "--runs", "bf16,bf16_init2", "--iters", "6", "--budget-s", "100")
+    out = capsys.readouterr().out
+    assert status == 128 + signal.SIGTERM, out[-3000:]
+    assert time.monotonic() - start < 60  # not the 100 s budget, nor the stand-ins' 120 s
+    results, curves = _rows(tmp_path / "results")
+    states = {r["case"]: r["status"] for r in results}
+    assert states == {"bf16": "finished (final validation logged; stopped by SIGTERM while exiting)",
+                      "bf16_init2": "stopped by SIGTERM"}
+    finals = [r for r in results if r["metric"] == "final validation loss (whole split)"]
+    assert [r["case"] for r in finals] == ["bf16"]
+    canned = convergence_log.parse_log(LOG.read_text())
+    assert {r["case"]: r["value"] for r in results if r["metric"] == "iterations completed"} == {
+        "bf16": canned.last_iteration, "bf16_init2": canned.last_iteration}
+    assert {r["case"] for r in curves} == {"bf16", "bf16_init2"}
+    assert json.loads((runs / "corpus.json").read_text())["sha256"] == small_corpus["sha256"]
+
+
+def test_from_logs_writes_the_rows_of_a_normal_finish(tmp_path, monkeypatch, small_corpus, capsys):
+    code = f"print(open({str(LOG)!r}).read())"
+    assert _harness(tmp_path, monkeypatch, code, "--runs", "bf16,bf16_repeat,bf16_init2", "--iters", "6") == 0
+    for suffix in (".bin", ".idx", ".json"):  # the corpus is gone: its record comes from the out dir's copy
+        Path(f"{tmp_path / 'corpus' / 'text'}{suffix}").unlink()
+    monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "reread"))
+    runs = tmp_path / "runs"
+    assert harness.main(["--from-logs", str(runs)]) == 0  # the runs of its harness.json
+    out = capsys.readouterr().out
+    assert f"re-read from {runs}" in out
+    (results, curves), (reread, reread_curves) = _rows(tmp_path / "results"), _rows(tmp_path / "reread")
+    assert {r["status"] for r in reread} == {f"re-read from {runs}"} and {r["status"] for r in results} == {"finished"}
+    assert _without(reread, "status") == _without(results, "status") and reread_curves == curves and curves
+    (runs / "corpus.json").unlink()
+    with pytest.raises(SystemExit, match="no corpus record for the logs in .*give --corpus"):
+        harness.main(["--from-logs", str(runs)])
+
+
+def _logs_dir(root, names, text):
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / "train_node0.log").write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("same_validation_set", [True, False])
+def test_reference_from_another_invocation(tmp_path, monkeypatch, capsys, same_validation_set):
+    text = LOG.read_text()
+    canned = convergence_log.parse_log(text)
+    other = text if same_validation_set else text.replace(canned.validation_sha256, "f" * 64)
+    ablation = _logs_dir(tmp_path / "call2", ["fp4_dispatch"], text)
+    headline = _logs_dir(tmp_path / "call1", ["bf16", "fp8"], other)
+    split = harness.config_numbers(harness.CATALOGUE["fp4_dispatch"])["split"]
+    record = {"sha256": "ab" * 32, "tokens": 10 ** 6, "train_split_tokens": {split: 10 ** 6}}
+    for root in (ablation, headline):
+        (root / "corpus.json").write_text(json.dumps(record))
+    monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("MEGATRON_FP4_COMMIT", "abc1234")
+    assert harness.main(["--from-logs", str(ablation), "--runs", "fp4_dispatch", "--gpu", "NVIDIA H200",
+                         "--reference-from", str(headline)]) == 0
+    out = capsys.readouterr().out
+    results = [json.loads(line) for line in (tmp_path / "results" / "convergence.jsonl").read_text().splitlines()]
+    for row in results:
+        assert rows.row_problems(row) == [] and row["gpu"] == "NVIDIA H200" and row["iters"] == canned.total_iterations
+    finals = [r for r in results if r["metric"] == "final validation loss (whole split)"]
+    if same_validation_set:
+        assert [(r["case"], r["reference_run"], r["reference_dir"]) for r in finals] == [
+            ("fp4_dispatch", "bf16", str(headline))]
+        assert finals[0]["reference"] == "BF16 bf16 (another invocation)" and finals[0]["same_validation_set"]
+        assert "tokens per second (GPU shared by all runs)" not in {r["metric"] for r in results}
+    else:
+        assert finals == [] and [r["metric"] for r in results] == ["iterations completed"]
+        assert re.search(rf"fp4_dispatch: no comparison with BF16 bf16 of {re.escape(str(headline))}: its validation "
+                         rf"set \(sha256 f{{16}}\) is not this run's \({canned.validation_sha256[:16]}\)\.", out)
