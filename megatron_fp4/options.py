@@ -79,12 +79,13 @@ class FP4Options:
     @property
     def active(self) -> bool:
         """Whether anything of the plugin touches the model (off: stock Megatron)."""
-        return self.touches_moe_layers or self.fused_attention
+        return self.touches_moe_layers or self.linears is LinearsPrecision.FP8 or self.fused_attention
 
     @property
     def touches_moe_layers(self) -> bool:
-        """Whether the plugin builds parts of the MoE layers (the fused attention alone does not)."""
-        return self.dispatch or self.experts is ExpertsPrecision.FP8 or self.linears is LinearsPrecision.FP8
+        """Whether the plugin builds parts of the MoE layers (the FP8 linears and the fused attention,
+        which also serve dense layers, alone do not)."""
+        return self.dispatch or self.experts is ExpertsPrecision.FP8
 
     @classmethod
     def from_args(cls, args) -> "FP4Options":
@@ -134,9 +135,12 @@ FLAGS = (
          "payload instead of BF16 (lossless: those values are FP4 values)."),
     Flag("experts", "Routed experts: bf16 (Megatron's own, behind the exact FP4 -> BF16 dequantization) or fp8 "
          "(ours: fc1/fc2 and their gradients as FP8 GEMMs with 1x128 / 128x128 power-of-two scales on SM90, fed "
-         "straight from the MXFP4 payload, SwiGLU and fc2 inputs saved in MXFP4; the same parameters and "
-         "checkpoint keys as SequentialMLP). Without --moe-fp4-dispatch, fp8 quantizes the BF16 dispatch itself "
-         "(the FP8 baseline).", ExpertsPrecision),
+         "straight from the MXFP4 payload, which they keep for backward with MXFP4 copies of the SwiGLU and "
+         "fc2 inputs; the same parameters and checkpoint keys as SequentialMLP). Without --moe-fp4-dispatch, "
+         "fp8 quantizes the BF16 dispatch itself and keeps FP8 columns of the fc1 and fc2 inputs and the BF16 "
+         "SwiGLU input (the FP8 baseline, as Transformer Engine's FP8 layers keep them); so does the recompute "
+         "of `moe` or full recompute for the SwiGLU and fc2 inputs (nothing inexact in FP4 there).",
+         ExpertsPrecision),
     Flag("telemetry", "Add the FP4 dispatch's numbers per training step to Megatron's iteration log line (and to "
          "TensorBoard / W&B when those are on), averaged per GPU over the --log-interval: bytes the dispatch "
          "all-to-all sent forward and backward next to what BF16 would have sent, the relative RMS error of the "
@@ -151,7 +155,7 @@ FLAGS = (
          "1x128 columns for the weight gradient; the same parameters and checkpoint keys as Megatron's local "
          "linears). Tensor parallelism 1 and --transformer-impl local only.", LinearsPrecision),
     Flag("storage", "Where activations kept for backward are stored in MXFP4: experts (inside the routed FP8 "
-         "experts only: their SwiGLU and fc2 inputs) or all (the paper's recipe: also the saved input of every FP8 "
+         "experts only, fed from the MXFP4 dispatch: their SwiGLU and fc2 inputs) or all (the paper's recipe: also the saved input of every FP8 "
          "linear and the SwiGLU inputs of the dense MLP and shared experts). Modules that Megatron recomputes "
          "(--recompute-modules mla_up_proj, mlp, shared_experts, moe, or full recompute) keep FP8 / BF16 there: "
          "nothing inside a recomputation is stored in FP4.", Storage),
@@ -389,8 +393,7 @@ REFUSALS = (
     # The model.
     Refusal("no MoE layers",
             lambda o, m, e, r: _moe(o) and not m.num_experts,
-            "--moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 need an MoE model: set "
-            "--num-experts."),
+            "--moe-fp4-dispatch and --moe-fp4-experts fp8 need an MoE model: set --num-experts."),
     Refusal("a dispatcher other than alltoall",
             lambda o, m, e, r: o.dispatch and m.dispatcher_type != "alltoall",
             "--moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got {dispatcher_type}): it replaces "
@@ -440,8 +443,11 @@ REFUSALS = (
             lambda o, m, e, r: _fp8_linears(o) and m.tensor_parallel_size > 1,
             "--moe-fp4-linears fp8 serves tensor parallelism 1 only (the 671B layout; got "
             "--tensor-model-parallel-size {tensor_parallel_size}): use pipeline or data parallelism instead."),
+    # Checked on the routes that read --transformer-impl; a plugin user's spec is checked by the spec swap
+    # itself (TransformerConfig's default transformer_impl says nothing about the spec it is used with).
     Refusal("--moe-fp4-linears fp8 with Transformer Engine layers",
-            lambda o, m, e, r: _fp8_linears(o) and m.transformer_impl not in (None, "local"),
+            lambda o, m, e, r: _fp8_linears(o) and r is not Route.PLUGIN and m.transformer_impl not in (
+                None, "local"),
             "--moe-fp4-linears fp8 replaces Megatron's local linear layers: use --transformer-impl local (got "
             "{transformer_impl})."),
     Refusal("--moe-fp4-linears fp8 with biases",
@@ -449,7 +455,8 @@ REFUSALS = (
             "--moe-fp4-linears fp8 has no biases: add --disable-bias-linear."),
     # What our fused core attention implements.
     Refusal("--moe-fp4-fused-attention with Transformer Engine layers",
-            lambda o, m, e, r: o.fused_attention and m.transformer_impl not in (None, "local"),
+            lambda o, m, e, r: o.fused_attention and r is not Route.PLUGIN and m.transformer_impl not in (
+                None, "local"),
             "--moe-fp4-fused-attention replaces the local layers' DotProductAttention (Transformer Engine's "
             "attention is fused already): use --transformer-impl local (got {transformer_impl}) or drop the flag."),
     Refusal("--moe-fp4-fused-attention with context parallelism",

@@ -205,7 +205,10 @@ def moe_mlp(c: Ctx) -> dict:
         out["shared_fc1_out"] = c.tokens * s.fc1_factor * fs * c.swiglu_input("shared_experts")
         out["shared_fc2_in"] = c.tokens * fs * c.fc2_input("shared_experts")
     fm = s.moe_ffn_hidden / c.par.etp
-    fp4 = p.fp4_experts
+    # Our FP8 experts keep their SwiGLU and fc2 inputs in MXFP4, except inside a recomputation (the
+    # whole MoE layer's or full): there a BF16 SwiGLU input and FP8 columns of the fc2 input.
+    storage_rc = c.storage_rc or c.rc
+    fp4 = p.fp4_experts and not (storage_rc.granularity == "full" or "moe" in storage_rc)
     # Our FP8 experts without a payload (the FP8 baseline) keep the fc1 and fc2 inputs as FP8 1x128
     # columns (each expert's tokens padded to 128, left out here) and the SwiGLU input in BF16.
     gemm_input = FP8_1X128_BYTES if p.fp8_experts else p.gemm_input_bytes

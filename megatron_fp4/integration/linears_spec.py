@@ -67,10 +67,13 @@ def use_fp8_linears(spec, options: FP4Options):
                 current = getattr(node, name)
                 if current is None:
                     continue
-                if current is not (ColumnParallelLinear if column else RowParallelLinear):
+                local = ColumnParallelLinear if column else RowParallelLinear
+                params = _local_linear_params(current, local)
+                if params is None:
                     # e.g. Transformer Engine's layer-norm-fused linear: replacing it would drop the norm.
                     _refuse(f"attention projections ({name})", current)
-                object.__setattr__(node, name, linear_spec(column, options, role))
+                spec = linear_spec(column, options, role)
+                object.__setattr__(node, name, dataclasses.replace(spec, params={**params, **spec.params}))
         elif isinstance(node, TransformerLayerSubmodules) and not _is_moe(node.mlp):
             if _builds_mlp(node.mlp):
                 node.mlp = functools.partial(build_fp8_mlp, options=options,
@@ -86,6 +89,16 @@ def use_fp8_linears(spec, options: FP4Options):
         return node
 
     return rewrite_spec(spec, swap)
+
+
+def _local_linear_params(entry, local: type):
+    """The spec parameters of an entry that builds Megatron's local linear `local` (the class, or a
+    ModuleSpec of it); None for anything else."""
+    if entry is local:
+        return {}
+    if isinstance(entry, ModuleSpec) and entry.module is local and entry.submodules is None:
+        return dict(entry.params)
+    return None
 
 
 def _submodules(entry):

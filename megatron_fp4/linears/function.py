@@ -94,20 +94,30 @@ class FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         call, segments = ctx.call, ctx.segments
-        weight, *saved = ctx.saved_tensors
+        weight = ctx.saved_tensors[0]
         out_features = weight.shape[0]
         dtype = grad_output.dtype
         grad2d = _padded_columns(grad_output.reshape(-1, out_features), padded_features(out_features)).contiguous()
 
-        grad_input = per_expert_products(segments, K.quantize_fp8_rows(grad2d), _fp8_weight(call, weight, True), dtype)
-        grad_cols = K.quantize_fp8_cols(grad2d, segments.counts_device, check_counts=False)
-        if call.saved is SavedInput.MXFP4:
-            input_cols = K.mxfp4_to_fp8_cols(MXFP4Tensor(saved[0], ctx.in_features, call.scale_rule),
-                                             segments.counts_device, check_counts=False)
-        else:
-            input_cols = FP8BlockTensor.from_colwise_parts(saved)
-        grad_weight = _weight_gradient(call, segments, weight, grad_cols, input_cols, dtype)
-        return None, grad_input.view(*grad_output.shape[:-1], ctx.in_features), grad_weight
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_input = per_expert_products(segments, K.quantize_fp8_rows(grad2d), _fp8_weight(call, weight, True),
+                                             dtype).view(*grad_output.shape[:-1], ctx.in_features)
+        if ctx.needs_input_grad[2]:
+            grad_weight = _weight_gradient(call, segments, weight, *_wgrad_operands(ctx, call, segments, grad2d), dtype)
+        return None, grad_input, grad_weight
+
+
+def _wgrad_operands(ctx, call: LinearCall, segments, grad2d):
+    """(gradient, input) as the weight gradient's operands: both FP8 1x128 columns along tokens."""
+    saved = ctx.saved_tensors[1:]
+    grad_cols = K.quantize_fp8_cols(grad2d, segments.counts_device, check_counts=False)
+    if call.saved is SavedInput.MXFP4:
+        input_cols = K.mxfp4_to_fp8_cols(MXFP4Tensor(saved[0], ctx.in_features, call.scale_rule),
+                                         segments.counts_device, check_counts=False)
+    else:
+        input_cols = FP8BlockTensor.from_colwise_parts(saved)
+    return grad_cols, input_cols
 
 
 def _weight_gradient(call: LinearCall, segments, weight, grad_cols, input_cols, dtype):

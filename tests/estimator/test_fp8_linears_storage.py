@@ -97,7 +97,17 @@ def test_nothing_in_fp4_inside_a_recomputation():
     moe = Ctx(s=e.shape, par=e.parallel, p=e.precision, rc=estimate(
         MEMCAP, "installed", {**FP4_ALL, "recompute_modules": ["moe"]}).recompute, tokens=T, rope=True,
         softmax_fp32=False, ce_bytes=4, bias=False)
-    assert moe_mlp(moe.with_recompute(NONE))["shared_fc2_in"] == T * fp8_row(SHARED)
+    restored_moe = moe_mlp(moe.with_recompute(NONE))
+    assert restored_moe["shared_fc2_in"] == T * fp8_row(SHARED)
+    # The routed experts' recompute keeps the payload (exact), but the SwiGLU input in BF16 and the
+    # fc2 input as FP8 columns, not MXFP4.
+    assert restored_moe["expert_fc1_in"] == ROWS * mxfp4_row(H)
+    assert restored_moe["expert_fc1_out"] == ROWS * 2 * MOE_FFN * 2
+    assert restored_moe["expert_fc2_in"] == ROWS * fp8_row(MOE_FFN)
+    outside = moe_mlp(Ctx(s=e.shape, par=e.parallel, p=e.precision, rc=NONE, tokens=T, rope=True, softmax_fp32=False,
+                          ce_bytes=4, bias=False))
+    assert outside["expert_fc1_out"] == ROWS * mxfp4_row(2 * MOE_FFN)
+    assert outside["expert_fc2_in"] == ROWS * mxfp4_row(MOE_FFN)
 
 
 def test_fp8_weight_copies_of_linears_and_experts():

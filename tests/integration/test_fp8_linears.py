@@ -31,6 +31,7 @@ RECIPE = FP4Options(dispatch=True, experts="fp8", linears="fp8", storage="all")
 def _config(**overrides):
     settings = dict(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=384, num_moe_experts=4,
+        moe_token_dispatcher_type="alltoall",
         moe_ffn_hidden_size=128, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16, gradient_accumulation_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -148,13 +149,14 @@ def test_weights_quantized_once_per_optimizer_step(device, monkeypatch):
     cache = FP8WeightCache()
     optimizer = torch.optim.SGD([weight], lr=1.0)
     outputs = []
+    x = x.to(device).requires_grad_(True)  # dgrad too: W^T is quantized
     for _ in range(2):  # two micro-batches, then a step
-        out = FP8LinearFunction.apply(_call(SavedInput.FP8, cache), x.to(device), weight)
+        out = FP8LinearFunction.apply(_call(SavedInput.FP8, cache), x, weight)
         out.backward(grad.to(device))
         outputs.append(out.detach())
     assert calls == [False, True]  # W and W^T once for both micro-batches
     optimizer.step()
-    out = FP8LinearFunction.apply(_call(SavedInput.FP8, cache), x.to(device), weight)
+    out = FP8LinearFunction.apply(_call(SavedInput.FP8, cache), x, weight)
     assert calls == [False, True, False] and not torch.equal(out, outputs[0])  # the new weights
 
 
@@ -208,13 +210,20 @@ def test_nothing_inside_a_recomputation_is_kept_in_fp4(granularity, modules, kep
     assert all(saved_input(FP8_LINEARS, role, config) is SavedInput.FP8 for role in LinearRole)
 
 
-def test_spec_swap_refuses_transformer_engine_layers():
-    """A TE spec's qkv projection carries the input layer norm: swapping it would drop the norm."""
+def test_spec_swap_takes_local_linears_only():
+    """A ModuleSpec of a local linear is swapped with its parameters; any other class (Transformer
+    Engine's qkv projection carries the input layer norm, which a swap would drop) is refused."""
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    class NormFusedLinear(ColumnParallelLinear):
+        pass
 
     spec = get_gpt_layer_local_spec()
     attention = spec.submodules.self_attention.submodules
-    object.__setattr__(attention, "linear_qkv", ModuleSpec(module=ColumnParallelLinear))  # not the plain class
+    object.__setattr__(attention, "linear_qkv", ModuleSpec(module=ColumnParallelLinear, params={"stride": 1}))
+    swapped = use_fp4(spec, FP8_LINEARS).submodules.self_attention.submodules.linear_qkv
+    assert swapped.module is FP8ColumnParallelLinear and swapped.params["stride"] == 1
+    object.__setattr__(attention, "linear_qkv", NormFusedLinear)
     with pytest.raises(UnsupportedConfiguration, match="linear_qkv"):
         use_fp4(spec, FP8_LINEARS)
 
@@ -258,8 +267,8 @@ def _dense_mlp(pg_collection, options, seed):
     if options is not None:
         spec = use_fp4(spec, options)
     torch.manual_seed(seed)
-    config = _config(num_moe_experts=None, moe_ffn_hidden_size=None)
-    return spec.submodules.mlp(config=config, pg_collection=pg_collection, is_mtp_layer=False)
+    # The dense layer of an MoE model (as DeepSeek-V3's first layers): the recipe's flags need one.
+    return spec.submodules.mlp(config=_config(), pg_collection=pg_collection, is_mtp_layer=False)
 
 
 def _forward_backward(module, hidden, grad, **kwargs):
@@ -296,9 +305,9 @@ def _same_checkpoint_layout(stock, ours):
             type(other), getattr(other, "global_shape", None), getattr(other, "global_offset", None)), key
 
 
-def test_dense_mlp_keeps_megatrons_checkpoint_and_follows_bf16(model_parallel, device, monkeypatch):
-    # The options' "no MoE layers" refusal is for whole models; a lone dense MLP is built here.
-    monkeypatch.setattr("megatron_fp4.linears.module.validate", lambda *a: None)
+def test_dense_mlp_keeps_megatrons_checkpoint_and_follows_bf16(model_parallel, device):
+    # Built from Megatron's local spec with a default TransformerConfig (whose transformer_impl says
+    # "transformer_engine": on this route the spec, not that field, decides).
     stock = _dense_mlp(model_parallel, None, seed=1).to(device)
     ours = _dense_mlp(model_parallel, RECIPE, seed=2).to(device)
     assert isinstance(ours.linear_fc1, FP8ColumnParallelLinear) and isinstance(ours.linear_fc2, FP8RowParallelLinear)
@@ -322,13 +331,7 @@ def test_dense_layer_keeps_megatrons_checkpoint_and_follows_bf16(model_parallel,
     model_parallel_cuda_manual_seed(5)
     # BF16 throughout, as Megatron's Float16Module makes the model (the norms are built in fp32).
     stock = _dense_layer(model_parallel, None, seed=1).to(device, torch.bfloat16)
-    import megatron_fp4.linears.module as linear_module
-    original = linear_module.validate
-    linear_module.validate = lambda *a: None  # a lone dense layer: the whole-model MoE check does not apply
-    try:
-        ours = _dense_layer(model_parallel, RECIPE, seed=2).to(device, torch.bfloat16)
-    finally:
-        linear_module.validate = original
+    ours = _dense_layer(model_parallel, RECIPE, seed=2).to(device, torch.bfloat16)
     linears = [m for m in ours.modules() if isinstance(m, (FP8ColumnParallelLinear, FP8RowParallelLinear))]
     assert len(linears) == 4 and all(m.fp8.saved is SavedInput.MXFP4 for m in linears)
     _same_checkpoint_layout(stock, ours)
