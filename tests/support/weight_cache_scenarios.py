@@ -1,5 +1,6 @@
-"""The experts' FP8 weight cache inside Megatron's training step (tests/distributed/test_weight_cache_in_training.py),
-run by both ranks: the tiny GPTModel of checkpoint_scenarios with FP4 dispatch + FP8 experts, in
+"""The FP8 weight caches (experts and linears) inside Megatron's training step
+(tests/distributed/test_weight_cache_in_training.py), run by both ranks: the tiny GPTModel of
+checkpoint_scenarios with the whole FP4 recipe, in
 Megatron's DDP with its distributed Adam, two micro-batches per step, with and without
 --overlap-param-gather (the new weights then arrive by all-gather in the next forward's pre-hooks)."""
 
@@ -10,25 +11,39 @@ from support.checkpoint_scenarios import BATCH, SEQ, VOCAB, Run, log
 STEPS, MICRO_BATCHES = 3, 2  # the last with the stamp ignored, then one more forward and backward
 
 
-def _experts(run: Run):
-    from megatron_fp4.experts import FP8Experts
-
-    return [m for m in run.gpt.modules() if isinstance(m, FP8Experts)]
-
-
-def _stale_entries(experts) -> list:
-    """(layer, linear, transposed) of every cached FP8 copy that differs from quantizing the weights now."""
+def _cached_modules(run: Run) -> list:
+    """(name, FP8WeightCache, {cache entry name: weights}, the quantizer the cache calls) of every
+    FP8 module of the model: the routed experts and the FP8 linear layers."""
     from megatron_fp4 import kernels as K
+    from megatron_fp4.experts import FP8Experts
+    from megatron_fp4.linears import FP8ColumnParallelLinear, FP8RowParallelLinear
+    from megatron_fp4.linears.function import _quantize_padded
 
+    found = []
+    for name, module in run.gpt.named_modules():
+        if isinstance(module, FP8Experts):
+            weights = {"fc1": [e.linear_fc1.weight for e in module.local_experts],
+                       "fc2": [e.linear_fc2.weight for e in module.local_experts]}
+            found.append((name, module.weight_cache, weights, K.quantize_fp8_weights_stacked))
+        elif isinstance(module, (FP8ColumnParallelLinear, FP8RowParallelLinear)):
+            found.append((name, module.fp8.weight_cache, {"weight": [module.weight]}, _quantize_padded))
+    return found
+
+
+def _copies_per_step(modules) -> int:
+    """W and W^T of each linear layer's weights: two per FP8 linear, four per experts module (fc1, fc2)."""
+    return sum(2 * len(weights) for _, _, weights, _ in modules)
+
+
+def _stale_entries(modules) -> list:
+    """(module, weights, transposed) of every cached FP8 copy that differs from quantizing the weights now."""
     stale = []
-    for layer, module in enumerate(experts):
-        weights = {"fc1": [e.linear_fc1.weight for e in module.local_experts],
-                   "fc2": [e.linear_fc2.weight for e in module.local_experts]}
-        for (name, transpose), (_, cached) in module.weight_cache._entries.items():
-            fresh = K.quantize_fp8_weights_stacked(weights[name], transpose)
+    for module_name, cache, weights, quantize in modules:
+        for (name, transpose), (_, cached) in cache._entries.items():
+            fresh = quantize(weights[name], transpose)
             if not (torch.equal(cached.data.view(torch.uint8), fresh.data.view(torch.uint8))
                     and torch.equal(cached.block_scales, fresh.block_scales)):
-                stale.append((layer, name, transpose))
+                stale.append((module_name, name, transpose))
     return stale
 
 
@@ -51,14 +66,14 @@ def _optimizer_step(run: Run) -> None:
 
 
 def tracks_the_optimizer(overlap_param_gather: bool, directory: str) -> None:
-    """Weights quantized once per step (4 copies per layer: fc1 and fc2, each plain and transposed,
-    for two micro-batches), never a stale copy; and a cache that ignores its stamp is caught using
+    """Weights quantized once per step (W and W^T of every FP8 linear and of the experts' fc1 and
+    fc2, for two micro-batches), never a stale copy; and a cache that ignores its stamp is caught using
     stale copies in the next step, so the check can fail."""
     from megatron_fp4 import kernels as K
     from megatron_fp4.experts import weight_cache
 
     run = Run(plugin=True, seed=1, overlap_param_gather=overlap_param_gather)
-    experts = _experts(run)
+    modules = _cached_modules(run)
     quantized = []
     real_quantize, real_stamp = K.quantize_fp8_weights_stacked, weight_cache._stamp
     K.quantize_fp8_weights_stacked = lambda *a, **k: quantized.append(1) or real_quantize(*a, **k)
@@ -69,11 +84,11 @@ def tracks_the_optimizer(overlap_param_gather: bool, directory: str) -> None:
             quantized.clear()
             _forward_backward(run, step)
             # The last step's copies are new too: the stamp changed (to the constant) since the last.
-            assert len(quantized) == 4 * len(experts), f"step {step}: {len(quantized)} quantizations"
-            assert not _stale_entries(experts), f"step {step}: stale FP8 weights {_stale_entries(experts)}"
+            assert len(quantized) == _copies_per_step(modules), f"step {step}: {len(quantized)} quantizations"
+            assert not _stale_entries(modules), f"step {step}: stale FP8 weights {_stale_entries(modules)}"
             _optimizer_step(run)
         _forward_backward(run, STEPS)
-        assert _stale_entries(experts), "the check missed a cache that ignores the optimizer"
+        assert _stale_entries(modules), "the check missed a cache that ignores the optimizer"
     finally:
         K.quantize_fp8_weights_stacked, weight_cache._stamp = real_quantize, real_stamp
     log(f"overlap_param_gather={overlap_param_gather}: quantized once per step, never stale")
