@@ -51,7 +51,7 @@ def padded_features(n: int) -> int:
     return -(-n // FP8_BLOCK) * FP8_BLOCK
 
 
-def _quantize_padded(weights, transpose: bool):
+def quantize_weight_padded(weights, transpose: bool):
     """The 128x128-block FP8 copy of one weight [N, K], with zero rows up to a multiple of 128."""
     (weight,) = weights
     pad = padded_features(weight.shape[0]) - weight.shape[0]
@@ -62,8 +62,8 @@ def _quantize_padded(weights, transpose: bool):
 
 def _fp8_weight(call: LinearCall, weight: torch.Tensor, transpose: bool):
     if call.weight_cache is None:
-        return _quantize_padded([weight], transpose)
-    return call.weight_cache.get("weight", [weight], transpose, _quantize_padded)
+        return quantize_weight_padded([weight], transpose)
+    return call.weight_cache.get("weight", [weight], transpose, quantize_weight_padded)
 
 
 def _padded_columns(x: torch.Tensor, width: int) -> torch.Tensor:

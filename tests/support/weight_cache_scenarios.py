@@ -17,7 +17,7 @@ def _cached_modules(run: Run) -> list:
     from megatron_fp4 import kernels as K
     from megatron_fp4.experts import FP8Experts
     from megatron_fp4.linears import FP8ColumnParallelLinear, FP8RowParallelLinear
-    from megatron_fp4.linears.function import _quantize_padded
+    from megatron_fp4.linears.function import quantize_weight_padded
 
     found = []
     for name, module in run.gpt.named_modules():
@@ -26,7 +26,7 @@ def _cached_modules(run: Run) -> list:
                        "fc2": [e.linear_fc2.weight for e in module.local_experts]}
             found.append((name, module.weight_cache, weights, K.quantize_fp8_weights_stacked))
         elif isinstance(module, (FP8ColumnParallelLinear, FP8RowParallelLinear)):
-            found.append((name, module.fp8.weight_cache, {"weight": [module.weight]}, _quantize_padded))
+            found.append((name, module.fp8.weight_cache, {"weight": [module.weight]}, quantize_weight_padded))
     return found
 
 
