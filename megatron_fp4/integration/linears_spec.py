@@ -72,8 +72,8 @@ def use_fp8_linears(spec, options: FP4Options):
                 if params is None:
                     # e.g. Transformer Engine's layer-norm-fused linear: replacing it would drop the norm.
                     _refuse(f"attention projections ({name})", current)
-                spec = linear_spec(column, options, role)
-                object.__setattr__(node, name, dataclasses.replace(spec, params={**params, **spec.params}))
+                fp8 = linear_spec(column, options, role)
+                object.__setattr__(node, name, dataclasses.replace(fp8, params={**params, **fp8.params}))
         elif isinstance(node, TransformerLayerSubmodules) and not _is_moe(node.mlp):
             if _builds_mlp(node.mlp):
                 node.mlp = functools.partial(build_fp8_mlp, options=options,
