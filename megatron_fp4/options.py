@@ -155,13 +155,14 @@ FLAGS = (
          "1x128 columns for the weight gradient; the same parameters and checkpoint keys as Megatron's local "
          "linears). Tensor parallelism 1 and --transformer-impl local only.", LinearsPrecision),
     Flag("storage", "Where activations kept for backward are stored in MXFP4: experts (inside the routed FP8 "
-         "experts only, fed from the MXFP4 dispatch: their SwiGLU and fc2 inputs) or all (the paper's recipe: also the saved input of every FP8 "
-         "linear and the SwiGLU inputs of the dense MLP and shared experts). Modules that Megatron recomputes "
+         "experts only, fed from the MXFP4 dispatch: their SwiGLU and fc2 inputs) or all (the paper's recipe: "
+         "also the saved input of every FP8 linear and the SwiGLU inputs of the dense MLP and shared experts). "
+         "Modules that Megatron recomputes "
          "(--recompute-modules mla_up_proj, mlp, shared_experts, moe, or full recompute) keep FP8 / BF16 there: "
          "nothing inside a recomputation is stored in FP4.", Storage),
     Flag("weights_per_use", "With --moe-fp4-experts fp8 or --moe-fp4-linears fp8: quantize the weights to FP8 at "
-         "every use instead of once per optimizer step. The default keeps two FP8 copies (plain and transposed, 128x128 "
-         "blocks) of each FP8 layer's weight from the step's first forward to the next step's, about 2 bytes per "
+         "every use instead of once per optimizer step. The default keeps two FP8 copies (plain and transposed, "
+         "128x128 blocks) of each FP8 layer's weight from the step's first forward to the next step's, about 2 bytes per "
          "weight element, and saves every later micro-batch the quantization; this flag gives that memory back."),
     Flag("fused_attention", "Compute the core attention of Megatron's local layers (--transformer-impl local, "
          "standard and MLA self-attention) with torch's fused scaled-dot-product-attention kernels (flash, "

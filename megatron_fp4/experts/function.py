@@ -116,7 +116,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
         call = ctx.call
         segments = call.segments
         hidden, ffn = ctx.sizes
-        activations, (probs, *weights) = ctx.saved_tensors[: ctx.num_activations], ctx.saved_tensors[ctx.num_activations:]
+        tensors = ctx.saved_tensors
+        activations, (probs, *weights) = tensors[: ctx.num_activations], tensors[ctx.num_activations:]
         num_experts = len(segments.counts)
         fc1_weights, fc2_weights = weights[:num_experts], weights[num_experts:]
         dtype = grad_output.dtype
