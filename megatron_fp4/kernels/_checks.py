@@ -57,6 +57,15 @@ def pair_view(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int64 if x.element_size() == 4 else torch.int32)
 
 
+def quad_ready(x: torch.Tensor) -> torch.Tensor:
+    """pair_view of x for kernels that read four elements per int64 (_bits.load_float_quads): a
+    16-bit input must start 8-byte aligned, which a view into the middle of a buffer may not; such
+    an input is copied (a rare path: every freshly allocated tensor is aligned)."""
+    if x.element_size() == 2 and x.data_ptr() % 8:
+        x = x.clone()
+    return pair_view(x)
+
+
 def float_kind(dtype: torch.dtype) -> int:
     """The KIND constexpr of _bits.unpack_float_pair."""
     return {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[dtype]

@@ -11,7 +11,7 @@ instead of one per expert matters on the host: the experts' forward and backward
 that Python launch overhead shows.
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import triton
@@ -20,18 +20,23 @@ import triton.language as tl
 from ..formats import FP8_BLOCK
 from ..tensors import FP8BlockWeight, FP8StackedWeights, padded_scale_columns
 from ._addresses import address_table
-from ._bits import fp32_bits_to_e4m3, fp8_block_scale, unpack_float_pair
-from ._checks import check_float_matrix, float_kind, pair_view
+from ._bits import abs_max4, e4m3_word, fp8_block_scale, load_float_quads
+from ._checks import TileConfig, check_float_matrix, float_kind, pair_view
 from ._format_constants import E4M3_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
+from ._transposed_tiles import column_abs_max, load_slice, store_column_words
 
-_NUM_WARPS = 8
+# One 128x128 block per program; the candidates differ in warps (block_rows / block_cols are the
+# block). The sweep's candidates (benchmarks/bench_kernels.py); the default is the first until a
+# GPU run picks one.
+CONFIGS = tuple(TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=w) for w in (16, 8))
+DEFAULT_CONFIG = CONFIGS[0]
 
 
 @triton.jit
 def _quantize_fp8_weight_kernel(
-    w_addresses_ptr,  # int64 [E]: where each weight [ROWS, COLS / 2] of element pairs starts (_bits.unpack_float_pair)
-    out_ptr,  # uint8 [E, ROWS, COLS], or [E, COLS, ROWS] when TRANSPOSE
+    w_addresses_ptr,  # int64 [E]: where each weight [ROWS, COLS] starts (read as _bits.load_float_quads)
+    out_words_ptr,  # int32 view of [E, ROWS, COLS], or [E, COLS, ROWS] when TRANSPOSE
     scales_ptr,  # fp32 [E, row blocks, SCALE_STRIDE] of the output's orientation
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
@@ -49,47 +54,63 @@ def _quantize_fp8_weight_kernel(
         w_pairs_ptr = tl.multiple_of(address.to(tl.pointer_type(tl.int64)), 16)
     else:
         w_pairs_ptr = tl.multiple_of(address.to(tl.pointer_type(tl.int32)), 16)
-    out_ptr += weight * (ROWS * COLS)
+    out_words_ptr += weight * (ROWS * COLS // 4)
     scales_ptr += weight * ((COLS if TRANSPOSE else ROWS) // BLOCK * SCALE_STRIDE)
-    row = row_block * BLOCK + tl.arange(0, BLOCK)
-    pair = col_block * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
-    words = tl.load(w_pairs_ptr + row[:, None].to(tl.int64) * (COLS // 2) + pair[None, :])
-    lo, hi = unpack_float_pair(words, KIND)
-
-    amax = tl.max(tl.max(tl.maximum(lo & 0x7FFFFFFF, hi & 0x7FFFFFFF), axis=1), axis=0)
-    scale, inv_scale, is_nan = fp8_block_scale(amax)
-    lo8 = fp32_bits_to_e4m3((lo.to(tl.float32, bitcast=True) * inv_scale).to(tl.int32, bitcast=True))
-    hi8 = fp32_bits_to_e4m3((hi.to(tl.float32, bitcast=True) * inv_scale).to(tl.int32, bitcast=True))
-    lo8 = tl.where(is_nan, E4M3_NAN, lo8)
-    hi8 = tl.where(is_nan, E4M3_NAN, hi8)
+    quad = col_block * (BLOCK // 4) + tl.arange(0, BLOCK // 4)  # blocks are whole: no masks
 
     if TRANSPOSE:
-        # Element (r, 2p) goes to out[2p, r] and (r, 2p + 1) to out[2p + 1, r]: rows of W^T.
-        even_rows = (2 * pair)[:, None].to(tl.int64) * ROWS + row[None, :]
-        tl.store(out_ptr + even_rows, tl.trans(lo8).to(tl.uint8))
-        tl.store(out_ptr + even_rows + ROWS, tl.trans(hi8).to(tl.uint8))
+        # Rows 4j + k in slice k (_transposed_tiles): each packed word is four consecutive rows of one
+        # column, i.e. four consecutive bytes of a row of W^T.
+        rows = row_block * BLOCK + 4 * tl.arange(0, BLOCK // 4)
+        a0, a1, a2, a3 = load_slice(w_pairs_ptr, rows, None, quad, None, COLS // 4, KIND)
+        b0, b1, b2, b3 = load_slice(w_pairs_ptr, rows + 1, None, quad, None, COLS // 4, KIND)
+        c0, c1, c2, c3 = load_slice(w_pairs_ptr, rows + 2, None, quad, None, COLS // 4, KIND)
+        d0, d1, d2, d3 = load_slice(w_pairs_ptr, rows + 3, None, quad, None, COLS // 4, KIND)
+        amax = tl.maximum(tl.maximum(column_abs_max(a0, b0, c0, d0), column_abs_max(a1, b1, c1, d1)),
+                          tl.maximum(column_abs_max(a2, b2, c2, d2), column_abs_max(a3, b3, c3, d3)))
+        scale, inv_scale, is_nan = fp8_block_scale(tl.max(amax, axis=0))
+        word_start = row_block * (BLOCK // 4)
+        _store_column(out_words_ptr, a0, b0, c0, d0, inv_scale, is_nan, 4 * quad, None, word_start, ROWS // 4)
+        _store_column(out_words_ptr, a1, b1, c1, d1, inv_scale, is_nan, 4 * quad + 1, None, word_start,
+                      ROWS // 4)
+        _store_column(out_words_ptr, a2, b2, c2, d2, inv_scale, is_nan, 4 * quad + 2, None, word_start,
+                      ROWS // 4)
+        _store_column(out_words_ptr, a3, b3, c3, d3, inv_scale, is_nan, 4 * quad + 3, None, word_start,
+                      ROWS // 4)
         tl.store(scales_ptr + col_block * SCALE_STRIDE + row_block, scale)
     else:
-        pairs_out = (lo8 | (hi8 << 8)).to(tl.int16)
-        tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + row[:, None].to(tl.int64) * (COLS // 2) + pair[None, :],
-                 pairs_out)
+        # Rows as the row quantizer reads them; the packed words keep the load layout.
+        row = row_block * BLOCK + tl.arange(0, BLOCK)
+        quads = row[:, None].to(tl.int64) * (COLS // 4) + quad[None, :]
+        e0, e1, e2, e3 = load_float_quads(w_pairs_ptr, quads, None, KIND)
+        scale, inv_scale, is_nan = fp8_block_scale(tl.max(tl.max(abs_max4(e0, e1, e2, e3), axis=1), axis=0))
+        words = tl.where(is_nan, E4M3_NAN * 0x01010101, e4m3_word(e0, e1, e2, e3, inv_scale))
+        tl.store(out_words_ptr + quads, words)
         tl.store(scales_ptr + row_block * SCALE_STRIDE + col_block, scale)
 
 
-def quantize_fp8_weight(w: torch.Tensor, transpose: bool = False) -> FP8BlockWeight:
+@triton.jit
+def _store_column(out_words_ptr, t0, t1, t2, t3, inv_scale, is_nan, column, column_ok, word_start, row_words):
+    words = tl.where(is_nan, E4M3_NAN * 0x01010101, e4m3_word(t0, t1, t2, t3, inv_scale))
+    store_column_words(out_words_ptr, words, column, column_ok, word_start, row_words)
+
+
+def quantize_fp8_weight(w: torch.Tensor, transpose: bool = False, config: TileConfig = DEFAULT_CONFIG) -> FP8BlockWeight:
     """w [R, C] (bf16, fp16 or fp32; R and C multiples of 128) -> FP8 128x128 blocks of w, or of
     w^T when transpose; bit-identical to reference.quantize_fp8_weight."""
-    return quantize_fp8_weights([w], transpose)[0]
+    return quantize_fp8_weights([w], transpose, config)[0]
 
 
-def quantize_fp8_weights(weights: Sequence[torch.Tensor], transpose: bool = False) -> List[FP8BlockWeight]:
+def quantize_fp8_weights(weights: Sequence[torch.Tensor], transpose: bool = False,
+                         config: TileConfig = DEFAULT_CONFIG) -> List[FP8BlockWeight]:
     """quantize_fp8_weight of each of several weights of one shape, dtype and device, in one launch.
     The results are views of one buffer holding them all."""
-    stacked = quantize_fp8_weights_stacked(weights, transpose)
+    stacked = quantize_fp8_weights_stacked(weights, transpose, config)
     return [stacked[e] for e in range(stacked.num_experts)]
 
 
-def quantize_fp8_weights_stacked(weights: Sequence[torch.Tensor], transpose: bool = False) -> FP8StackedWeights:
+def quantize_fp8_weights_stacked(weights: Sequence[torch.Tensor], transpose: bool = False,
+                                 config: TileConfig = DEFAULT_CONFIG) -> FP8StackedWeights:
     """quantize_fp8_weights as one [E, rows, cols] operand (the grouped GEMMs')."""
     name = "quantize_fp8_weights"
     if not weights:
@@ -109,7 +130,7 @@ def quantize_fp8_weights_stacked(weights: Sequence[torch.Tensor], transpose: boo
                               dtype=torch.float32, device=first.device)
     _quantize_fp8_weight_kernel[(rows // FP8_BLOCK, cols // FP8_BLOCK, len(weights))](
         address_table(name, [pair_view(w) for w in weights]),
-        data.view(torch.uint8),
+        data.view(torch.int32),
         block_scales,
         ROWS=rows,
         COLS=cols,
@@ -117,18 +138,20 @@ def quantize_fp8_weights_stacked(weights: Sequence[torch.Tensor], transpose: boo
         KIND=float_kind(first.dtype),
         TRANSPOSE=transpose,
         BLOCK=FP8_BLOCK,
-        num_warps=_NUM_WARPS,
+        num_warps=config.num_warps,
     )
     return FP8StackedWeights(data, block_scales)
 
 
-def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+def sm90_specs(variant: BuildVariant, config: TileConfig = DEFAULT_CONFIG,
+               transpose: Optional[bool] = None) -> List[KernelSpec]:
     """The kernel for a weight [2 x 2048, hidden] (fc1's shape), as sm90_build compiles it;
-    transposed when the variant's ceil_rule is off, so that both variants build."""
-    rows, transpose = 2 * 2048, not variant.ceil_rule
+    transposed (unless told) when the variant's ceil_rule is off, so that both variants build."""
+    rows = 2 * 2048
+    transpose = not variant.ceil_rule if transpose is None else transpose
     return [KernelSpec(
         "quantize_fp8_weight", _quantize_fp8_weight_kernel,
-        {"w_addresses_ptr": "*i64", "out_ptr": "*u8", "scales_ptr": "*fp32"},
+        {"w_addresses_ptr": "*i64", "out_words_ptr": "*i32", "scales_ptr": "*fp32"},
         {"ROWS": rows, "COLS": variant.hidden, "SCALE_STRIDE": padded_scale_columns(variant.hidden),
          "KIND": variant.input_kind, "TRANSPOSE": transpose, "BLOCK": FP8_BLOCK},
-        _NUM_WARPS, FP8_BLOCK * FP8_BLOCK)]
+        config.num_warps, FP8_BLOCK * FP8_BLOCK)]

@@ -6,6 +6,7 @@ ptxas catches those on a CPU-only machine, and the SASS it yields shows what a k
 (benchmarks/kernel_sass_stats.py).
 """
 
+import dataclasses
 from typing import List
 
 import triton
@@ -28,6 +29,27 @@ def kernel_specs(hidden: int = 7168, ceil_rule: bool = True, input_kind: int = 0
     """Every kernel at its default tile config for rows of `hidden` elements."""
     variant = BuildVariant(hidden, ceil_rule, input_kind)
     return [spec for module in KERNEL_MODULES for spec in module.sm90_specs(variant)]
+
+
+def candidate_specs(hidden: int = 7168, input_kind: int = 0) -> List[KernelSpec]:
+    """Every candidate tile config of the kernels that list them (CONFIGS, swept by
+    benchmarks/bench_quantizers.py), the weight quantizer plain and transposed; names carry the
+    config."""
+    variant = BuildVariant(hidden, True, input_kind)
+    specs = []
+    for module in (fp8_quantize, fp8_quantize_cols):
+        for config in module.CONFIGS:
+            specs += module.sm90_specs(variant, config)
+    for transpose in (False, True):
+        for config in fp8_quantize_weight.CONFIGS:
+            specs += fp8_quantize_weight.sm90_specs(variant, config, transpose)
+    return [dataclasses.replace(spec, name=f"{spec.name}{'_t' if spec.constexprs.get('TRANSPOSE') else ''} "
+                                f"{_config_label(spec)}") for spec in specs]
+
+
+def _config_label(spec: KernelSpec) -> str:
+    tile = [spec.constexprs[k] for k in ("BLOCK_ROWS", "BLOCK_GROUPS", "BLOCK_QUADS") if k in spec.constexprs]
+    return "x".join(str(v) for v in tile) + f"/{spec.num_warps}w"
 
 
 def compile_sm90(spec: KernelSpec):
