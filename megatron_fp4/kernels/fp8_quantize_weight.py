@@ -24,7 +24,7 @@ from ._bits import abs_max4, e4m3_word, fp8_block_scale, load_float_quads
 from ._checks import TileConfig, check_float_matrix, float_kind, pair_view
 from ._format_constants import E4M3_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
-from ._transposed_tiles import column_abs_max, load_slice, store_column_words
+from ._transposed_tiles import load_slice, store_column_words
 
 # One 128x128 block per program; the candidates differ in warps (block_rows / block_cols are the
 # block). The sweep's candidates (benchmarks/bench_kernels.py); the default is the first until a
@@ -62,21 +62,13 @@ def _quantize_fp8_weight_kernel(
         # Rows 4j + k in slice k (_transposed_tiles): each packed word is four consecutive rows of one
         # column, i.e. four consecutive bytes of a row of W^T.
         rows = row_block * BLOCK + 4 * tl.arange(0, BLOCK // 4)
-        a0, a1, a2, a3 = load_slice(w_pairs_ptr, rows, None, quad, None, COLS // 4, KIND)
-        b0, b1, b2, b3 = load_slice(w_pairs_ptr, rows + 1, None, quad, None, COLS // 4, KIND)
-        c0, c1, c2, c3 = load_slice(w_pairs_ptr, rows + 2, None, quad, None, COLS // 4, KIND)
-        d0, d1, d2, d3 = load_slice(w_pairs_ptr, rows + 3, None, quad, None, COLS // 4, KIND)
-        amax = tl.maximum(tl.maximum(column_abs_max(a0, b0, c0, d0), column_abs_max(a1, b1, c1, d1)),
-                          tl.maximum(column_abs_max(a2, b2, c2, d2), column_abs_max(a3, b3, c3, d3)))
-        scale, inv_scale, is_nan = fp8_block_scale(tl.max(amax, axis=0))
-        word_start = row_block * (BLOCK // 4)
-        _store_column(out_words_ptr, a0, b0, c0, d0, inv_scale, is_nan, 4 * quad, None, word_start, ROWS // 4)
-        _store_column(out_words_ptr, a1, b1, c1, d1, inv_scale, is_nan, 4 * quad + 1, None, word_start,
-                      ROWS // 4)
-        _store_column(out_words_ptr, a2, b2, c2, d2, inv_scale, is_nan, 4 * quad + 2, None, word_start,
-                      ROWS // 4)
-        _store_column(out_words_ptr, a3, b3, c3, d3, inv_scale, is_nan, 4 * quad + 3, None, word_start,
-                      ROWS // 4)
+        a = load_slice(w_pairs_ptr, rows, None, quad, None, COLS // 4, KIND)
+        b = load_slice(w_pairs_ptr, rows + 1, None, quad, None, COLS // 4, KIND)
+        c = load_slice(w_pairs_ptr, rows + 2, None, quad, None, COLS // 4, KIND)
+        d = load_slice(w_pairs_ptr, rows + 3, None, quad, None, COLS // 4, KIND)
+        scale, inv_scale, is_nan = fp8_block_scale(tl.max(abs_max4(a, b, c, d)))
+        words = tl.where(is_nan, E4M3_NAN * 0x01010101, e4m3_word(a, b, c, d, inv_scale))
+        store_column_words(out_words_ptr, words, quad, None, row_block * (BLOCK // 4), ROWS // 4)
         tl.store(scales_ptr + col_block * SCALE_STRIDE + row_block, scale)
     else:
         # Rows as the row quantizer reads them; the packed words keep the load layout.
@@ -87,12 +79,6 @@ def _quantize_fp8_weight_kernel(
         words = tl.where(is_nan, E4M3_NAN * 0x01010101, e4m3_word(e0, e1, e2, e3, inv_scale))
         tl.store(out_words_ptr + quads, words)
         tl.store(scales_ptr + row_block * SCALE_STRIDE + col_block, scale)
-
-
-@triton.jit
-def _store_column(out_words_ptr, t0, t1, t2, t3, inv_scale, is_nan, column, column_ok, word_start, row_words):
-    words = tl.where(is_nan, E4M3_NAN * 0x01010101, e4m3_word(t0, t1, t2, t3, inv_scale))
-    store_column_words(out_words_ptr, words, column, column_ok, word_start, row_words)
 
 
 def quantize_fp8_weight(w: torch.Tensor, transpose: bool = False, config: TileConfig = DEFAULT_CONFIG) -> FP8BlockWeight:
