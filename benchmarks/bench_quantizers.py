@@ -114,7 +114,7 @@ def median_ms(fn, inputs: list, repeats: int, batch: int = 10, warmup: int = 3) 
     times = []
     for r in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # ~1 ms at H200 clocks: more than the host needs for the batch
+        torch.cuda._sleep(10_000_000)  # ~5 ms at H200 clocks: more than the host needs to queue the batch
         start.record()
         for i in range(batch):
             fn(inputs[(r * batch + i) % len(inputs)])

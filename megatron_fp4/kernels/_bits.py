@@ -54,18 +54,18 @@ def load_float_quads(pairs_ptr, quad, mask, KIND: tl.constexpr):
 
 
 @triton.jit
-def e4m3_code_in_low_byte(v):
-    """fp32 v in [0, 448] -> int32 whose low byte is v's E4M3 code, round to nearest even (E4M3
-    subnormals included); the other bytes are garbage.
+def e4m3_code_bits(v):
+    """fp32 v in [0, 448] -> int32 whose bits 0-6 are v's E4M3 code, round to nearest even (E4M3
+    subnormals included), bits 7-22 zero and bits 23-30 not (mask or shift them out).
 
     Three integer operations and one fp32 add instead of an integer rounding (~20 operations):
     adding magic = 2^(e + 20), e = v's binade but at least -6 (E4M3's smallest normal), makes the
     add itself round v to a multiple of 2^(e - 3), E4M3's step there, ties to even. The sum's
-    significand counts steps; magic's low bits 8 * biased(e) + 56 (a multiple of 8, so the tie
-    parity is v's own) shift that count onto the code: code = 8 * (biased(e) - 121) + steps,
-    and 8 * 121 = 968 = 56 (mod 256). v <= 448 keeps the sum inside magic's binade."""
+    significand counts steps above magic's; magic's low bits 8 * (biased(e) - 121) (a multiple
+    of 8, so the tie parity is v's own) turn that count into the code: 8 * (biased(e) - 121) +
+    steps, at most 126 since v <= 448. The sum stays inside magic's binade."""
     biased = tl.maximum(v.to(tl.int32, bitcast=True) >> 23, 121)
-    magic = biased * ((1 << 23) + 8) + ((20 << 23) + 56)
+    magic = biased * ((1 << 23) + 8) + ((20 << 23) - 8 * 121)
     return (v + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
 
 
@@ -73,11 +73,13 @@ def e4m3_code_in_low_byte(v):
 def e4m3_word(e0, e1, e2, e3, inv_scale):
     """Four fp32 bit patterns (int32) times the power of two inv_scale (|x| * inv_scale <= 448) ->
     one int32 of their E4M3 bytes, element 0 in the low byte. Signs are ORed in from the inputs
-    (so -0.0 stays 0x80)."""
-    word = e4m3_code_in_low_byte((e0 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale) & 0xFF
-    word |= (e4m3_code_in_low_byte((e1 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale) & 0xFF) << 8
-    word |= (e4m3_code_in_low_byte((e2 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale) & 0xFF) << 16
-    word |= e4m3_code_in_low_byte((e3 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale) << 24
+    (so -0.0 stays 0x80). e4m3_code_bits leaves bits 7-22 zero, so shifts alone clean elements
+    2 and 3."""
+    c0 = e4m3_code_bits((e0 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale)
+    c1 = e4m3_code_bits((e1 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale)
+    c2 = e4m3_code_bits((e2 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale)
+    c3 = e4m3_code_bits((e3 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale)
+    word = (c0 & 0x7F) | ((c1 << 8) & 0x7F00) | (c2 << 16) | (c3 << 24)
     signs = ((e0 >> 24) & 0x80) | ((e1 >> 16) & 0x8000) | ((e2 >> 8) & 0x800000) | (e3 & _BYTE3_MSB)
     return word | signs
 

@@ -32,7 +32,7 @@ def quad_columns(quad):
 
 @triton.jit
 def load_slice(x_pairs_ptr, rows, row_ok, quad, quad_ok, QUADS_PER_ROW: tl.constexpr, KIND: tl.constexpr):
-    """rows [32] x quads [Q] of a row-major float matrix -> [32, Q, 2, 2] fp32 bit patterns in
+    """rows [J] x quads [Q] of a row-major float matrix -> [J, Q, 2, 2] fp32 bit patterns in
     join4's order; masked elements read as +0. row_ok and quad_ok both None: no masks."""
     offsets = rows[:, None].to(tl.int64) * QUADS_PER_ROW + quad[None, :]
     if row_ok is None:
@@ -44,11 +44,11 @@ def load_slice(x_pairs_ptr, rows, row_ok, quad, quad_ok, QUADS_PER_ROW: tl.const
 
 @triton.jit
 def store_column_words(out_words_ptr, words, quad, quad_ok, word_start, row_words):
-    """words [32, Q, 2, 2]: four FP8 bytes (rows 4j .. 4j + 3) of column quad_columns(quad) ->
+    """words [J, Q, 2, 2]: four FP8 bytes (rows 4j .. 4j + 3) of column quad_columns(quad) ->
     that int32 row of the transposed output, word word_start + j (row_words int32 per row).
     quad_ok None: no mask."""
     columns = quad_columns(quad)[None, :, :, :].to(tl.int64)
-    offsets = columns * row_words + word_start + tl.arange(0, 32)[:, None, None, None]
+    offsets = columns * row_words + word_start + tl.arange(0, words.shape[0])[:, None, None, None]
     if quad_ok is None:
         tl.store(out_words_ptr + offsets, words)
     else:

@@ -26,10 +26,17 @@ from ._format_constants import E4M3_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
 from ._transposed_tiles import load_slice, store_column_words
 
-# One 128x128 block per program; the candidates differ in warps (block_rows / block_cols are the
-# block). The sweep's candidates (benchmarks/bench_kernels.py); the default is the first until a
-# GPU run picks one.
-CONFIGS = tuple(TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=w) for w in (16, 8))
+# One 128x128 block per program. block_rows = rows per pass: 128 holds the block in registers
+# (one read; wide programs, few of them per SM), fewer reads it twice, an amax pass and a convert
+# pass (the second read hits L2; small programs, several per SM overlap their loads and their
+# arithmetic). The sweep's candidates (benchmarks/bench_quantizers.py); the default is the first
+# until a GPU run picks one.
+CONFIGS = (
+    TileConfig(block_rows=32, block_cols=FP8_BLOCK, num_warps=4),
+    TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=16),
+    TileConfig(block_rows=32, block_cols=FP8_BLOCK, num_warps=8),
+    TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=32),
+)
 DEFAULT_CONFIG = CONFIGS[0]
 
 
@@ -44,6 +51,7 @@ def _quantize_fp8_weight_kernel(
     KIND: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     BLOCK: tl.constexpr,  # 128
+    ROWS_PER_PASS: tl.constexpr,
 ):
     row_block = tl.program_id(0)
     col_block = tl.program_id(1)
@@ -57,28 +65,52 @@ def _quantize_fp8_weight_kernel(
     out_words_ptr += weight * (ROWS * COLS // 4)
     scales_ptr += weight * ((COLS if TRANSPOSE else ROWS) // BLOCK * SCALE_STRIDE)
     quad = col_block * (BLOCK // 4) + tl.arange(0, BLOCK // 4)  # blocks are whole: no masks
+    first_row = row_block * BLOCK
 
+    a, b, c, d = _load_rows(w_pairs_ptr, first_row, quad, COLS, KIND, TRANSPOSE, ROWS_PER_PASS)
+    amax = tl.max(abs_max4(a, b, c, d))
+    for r in range(ROWS_PER_PASS, BLOCK, ROWS_PER_PASS):  # no iteration when one pass holds the block
+        a2, b2, c2, d2 = _load_rows(w_pairs_ptr, first_row + r, quad, COLS, KIND, TRANSPOSE, ROWS_PER_PASS)
+        amax = tl.maximum(amax, tl.max(abs_max4(a2, b2, c2, d2)))
+    scale, inv_scale, is_nan = fp8_block_scale(amax)
+
+    _store_rows(out_words_ptr, a, b, c, d, inv_scale, is_nan, first_row, quad, ROWS, COLS, TRANSPOSE)
+    for r in range(ROWS_PER_PASS, BLOCK, ROWS_PER_PASS):
+        a2, b2, c2, d2 = _load_rows(w_pairs_ptr, first_row + r, quad, COLS, KIND, TRANSPOSE, ROWS_PER_PASS)
+        _store_rows(out_words_ptr, a2, b2, c2, d2, inv_scale, is_nan, first_row + r, quad, ROWS, COLS, TRANSPOSE)
     if TRANSPOSE:
-        # Rows 4j + k in slice k (_transposed_tiles): each packed word is four consecutive rows of one
-        # column, i.e. four consecutive bytes of a row of W^T.
-        rows = row_block * BLOCK + 4 * tl.arange(0, BLOCK // 4)
+        tl.store(scales_ptr + col_block * SCALE_STRIDE + row_block, scale)
+    else:
+        tl.store(scales_ptr + row_block * SCALE_STRIDE + col_block, scale)
+
+
+@triton.jit
+def _load_rows(w_pairs_ptr, first_row, quad, COLS: tl.constexpr, KIND: tl.constexpr, TRANSPOSE: tl.constexpr,
+               ROWS_PER_PASS: tl.constexpr):
+    """ROWS_PER_PASS rows from first_row, columns 4 * quad .. + 3, as four tensors a, b, c, d whose
+    e4m3_word packs four consecutive output bytes: plain, the four columns of each quad (the load
+    layout is the store layout); transposed, four consecutive rows (_transposed_tiles)."""
+    if TRANSPOSE:
+        rows = first_row + 4 * tl.arange(0, ROWS_PER_PASS // 4)
         a = load_slice(w_pairs_ptr, rows, None, quad, None, COLS // 4, KIND)
         b = load_slice(w_pairs_ptr, rows + 1, None, quad, None, COLS // 4, KIND)
         c = load_slice(w_pairs_ptr, rows + 2, None, quad, None, COLS // 4, KIND)
         d = load_slice(w_pairs_ptr, rows + 3, None, quad, None, COLS // 4, KIND)
-        scale, inv_scale, is_nan = fp8_block_scale(tl.max(abs_max4(a, b, c, d)))
-        words = tl.where(is_nan, E4M3_NAN * 0x01010101, e4m3_word(a, b, c, d, inv_scale))
-        store_column_words(out_words_ptr, words, quad, None, row_block * (BLOCK // 4), ROWS // 4)
-        tl.store(scales_ptr + col_block * SCALE_STRIDE + row_block, scale)
     else:
-        # Rows as the row quantizer reads them; the packed words keep the load layout.
-        row = row_block * BLOCK + tl.arange(0, BLOCK)
-        quads = row[:, None].to(tl.int64) * (COLS // 4) + quad[None, :]
-        e0, e1, e2, e3 = load_float_quads(w_pairs_ptr, quads, None, KIND)
-        scale, inv_scale, is_nan = fp8_block_scale(tl.max(tl.max(abs_max4(e0, e1, e2, e3), axis=1), axis=0))
-        words = tl.where(is_nan, E4M3_NAN * 0x01010101, e4m3_word(e0, e1, e2, e3, inv_scale))
-        tl.store(out_words_ptr + quads, words)
-        tl.store(scales_ptr + row_block * SCALE_STRIDE + col_block, scale)
+        row = first_row + tl.arange(0, ROWS_PER_PASS)
+        a, b, c, d = load_float_quads(w_pairs_ptr, row[:, None].to(tl.int64) * (COLS // 4) + quad[None, :], None, KIND)
+    return a, b, c, d
+
+
+@triton.jit
+def _store_rows(out_words_ptr, a, b, c, d, inv_scale, is_nan, first_row, quad, ROWS: tl.constexpr,
+                COLS: tl.constexpr, TRANSPOSE: tl.constexpr):
+    words = tl.where(is_nan, E4M3_NAN * 0x01010101, e4m3_word(a, b, c, d, inv_scale))
+    if TRANSPOSE:
+        store_column_words(out_words_ptr, words, quad, None, first_row // 4, ROWS // 4)
+    else:
+        row = first_row + tl.arange(0, words.shape[0])
+        tl.store(out_words_ptr + row[:, None].to(tl.int64) * (COLS // 4) + quad[None, :], words)
 
 
 def quantize_fp8_weight(w: torch.Tensor, transpose: bool = False, config: TileConfig = DEFAULT_CONFIG) -> FP8BlockWeight:
@@ -124,6 +156,7 @@ def quantize_fp8_weights_stacked(weights: Sequence[torch.Tensor], transpose: boo
         KIND=float_kind(first.dtype),
         TRANSPOSE=transpose,
         BLOCK=FP8_BLOCK,
+        ROWS_PER_PASS=config.block_rows,
         num_warps=config.num_warps,
     )
     return FP8StackedWeights(data, block_scales)
@@ -139,5 +172,5 @@ def sm90_specs(variant: BuildVariant, config: TileConfig = DEFAULT_CONFIG,
         "quantize_fp8_weight", _quantize_fp8_weight_kernel,
         {"w_addresses_ptr": "*i64", "out_words_ptr": "*i32", "scales_ptr": "*fp32"},
         {"ROWS": rows, "COLS": variant.hidden, "SCALE_STRIDE": padded_scale_columns(variant.hidden),
-         "KIND": variant.input_kind, "TRANSPOSE": transpose, "BLOCK": FP8_BLOCK},
+         "KIND": variant.input_kind, "TRANSPOSE": transpose, "BLOCK": FP8_BLOCK, "ROWS_PER_PASS": config.block_rows},
         config.num_warps, FP8_BLOCK * FP8_BLOCK)]

@@ -10,7 +10,7 @@ import triton.language as tl
 import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
 from megatron_fp4.kernels import fp8_quantize, fp8_quantize_cols, fp8_quantize_weight
-from megatron_fp4.kernels._bits import e4m3_code_in_low_byte
+from megatron_fp4.kernels._bits import e4m3_code_bits
 
 from support.inputs import assert_same_bits, assert_same_fp8, column_hard_cases, hard_input
 
@@ -19,7 +19,7 @@ from support.inputs import assert_same_bits, assert_same_fp8, column_hard_cases,
 def _e4m3_codes_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(v_ptr + i, mask=i < n, other=0.0)
-    tl.store(out_ptr + i, e4m3_code_in_low_byte(v) & 0xFF, mask=i < n)
+    tl.store(out_ptr + i, e4m3_code_bits(v) & 0x7FFFFF, mask=i < n)  # bits 7-22 must be zero too
 
 
 def _e4m3_rounding_cases() -> torch.Tensor:
