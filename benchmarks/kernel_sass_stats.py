@@ -4,8 +4,9 @@
 A memory-bound kernel on H200 has about 33 thread-instructions per nanosecond to spend (132 SMs x
 128 lanes x 1.98 GHz) against 4.2 bytes of copy bandwidth: at 16384 x 7168 the quantizer's
 70 us memory floor allows roughly 20 instructions per element. This script prints instructions
-per element (static count over elements per program; the kernels have no loops) so that a change
-can be judged before it costs device time.
+per element (static count over elements per program) so that a change
+can be judged before it costs device time. The count is static: a loop the compiler keeps (the
+two-pass weight candidates' passes) counts once, so their figure understates.
 
     python -m benchmarks.kernel_sass_stats [--dump DIR] [--candidates]
 """

@@ -3,7 +3,7 @@
 Used for gradients on the wire and for activations quantized per GEMM. The scale is the smallest
 power of two with amax / scale <= 448 (never below 2^-126); a group holding NaN / Inf gets a NaN
 scale and NaN data. Rounding to E4M3 is round to nearest even by one exactly-defined fp32 add
-(_bits.e4m3_code_in_low_byte), so the CPU interpreter and the GPU agree bit for bit.
+(_bits.e4m3_code_bits), so the CPU interpreter and the GPU agree bit for bit.
 """
 
 from typing import List
