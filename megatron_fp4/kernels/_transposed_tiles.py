@@ -33,10 +33,15 @@ def quad_columns(quad):
 @triton.jit
 def load_slice(x_pairs_ptr, rows, row_ok, quad, quad_ok, QUADS_PER_ROW: tl.constexpr, KIND: tl.constexpr):
     """rows [J] x quads [Q] of a row-major float matrix -> [J, Q, 2, 2] fp32 bit patterns in
-    join4's order; masked elements read as +0. row_ok and quad_ok both None: no masks."""
+    join4's order; masked elements read as +0. A mask of None: nothing masked along it."""
     offsets = rows[:, None].to(tl.int64) * QUADS_PER_ROW + quad[None, :]
     if row_ok is None:
-        e0, e1, e2, e3 = load_float_quads(x_pairs_ptr, offsets, None, KIND)
+        if quad_ok is None:
+            e0, e1, e2, e3 = load_float_quads(x_pairs_ptr, offsets, None, KIND)
+        else:
+            e0, e1, e2, e3 = load_float_quads(x_pairs_ptr, offsets, quad_ok[None, :], KIND)
+    elif quad_ok is None:
+        e0, e1, e2, e3 = load_float_quads(x_pairs_ptr, offsets, row_ok[:, None], KIND)
     else:
         e0, e1, e2, e3 = load_float_quads(x_pairs_ptr, offsets, row_ok[:, None] & quad_ok[None, :], KIND)
     return join4(e0, e1, e2, e3)

@@ -18,17 +18,19 @@ from ..tensors import COLWISE, FP8BlockTensor
 from ._bits import abs_max4, e4m3_word, fp8_block_scale
 from ._checks import TileConfig, check_float_matrix, float_kind, quad_ready
 from ._format_constants import E4M3_NAN
-from ._segments import block_source_rows, check_segments, empty_colwise, experts_pow2
+from ._segments import block_rows, check_segments, empty_colwise, experts_pow2
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 from ._transposed_tiles import load_slice, quad_columns, store_column_words
 
-# block_cols counts quads of hidden columns (4 each); block_rows is the 128-token FP8 block. The
-# sweep's candidates (benchmarks/bench_kernels.py); the default is the first until a GPU run picks.
+# block_cols counts quads of hidden columns (4 each); block_rows is the tokens per pass over the
+# 128-token FP8 block: 128 holds the block in registers, fewer read it twice (an amax pass, then a
+# convert pass from L2) with fewer registers and wider programs. The sweep's candidates
+# (benchmarks/bench_quantizers.py); the default is the first until a GPU run picks.
 CONFIGS = (
     TileConfig(block_rows=FP8_BLOCK, block_cols=16, num_warps=8),
     TileConfig(block_rows=FP8_BLOCK, block_cols=8, num_warps=4),
-    TileConfig(block_rows=FP8_BLOCK, block_cols=32, num_warps=16),
-    TileConfig(block_rows=FP8_BLOCK, block_cols=16, num_warps=4),
+    TileConfig(block_rows=32, block_cols=32, num_warps=8),
+    TileConfig(block_rows=32, block_cols=16, num_warps=4),
 )
 DEFAULT_CONFIG = CONFIGS[0]
 
@@ -48,14 +50,48 @@ def _quantize_fp8_cols_kernel(
     EXPERTS_POW2: tl.constexpr,
     TOKENS: tl.constexpr,  # 128
     BLOCK_QUADS: tl.constexpr,  # quads of hidden columns per program
+    TOKENS_PER_PASS: tl.constexpr,  # TOKENS: one pass
 ):
     column_start = tl.program_id(0) * TOKENS
-    first_row, valid_rows, _, _ = block_source_rows(
-        counts_ptr, segment_offsets_ptr, num_experts, num_rows, column_start, EXPERTS_POW2, TOKENS)
+    first_row, valid_rows = block_rows(counts_ptr, segment_offsets_ptr, num_experts, column_start, EXPERTS_POW2,
+                                       TOKENS)
     quad = tl.program_id(1) * BLOCK_QUADS + tl.arange(0, BLOCK_QUADS)
-    quad_ok = quad < HIDDEN // 4
-    # Slice k: tokens 4j + k of the block (_transposed_tiles); tokens past the segment read as 0.
-    token = 4 * tl.arange(0, TOKENS // 4)
+    if HIDDEN % (4 * BLOCK_QUADS) == 0:
+        quad_ok = None  # whole tiles: no column masks
+    else:
+        quad_ok = quad < HIDDEN // 4
+    # Pass 1: the columns' amax over the block's tokens, TOKENS_PER_PASS at a time (one pass keeps
+    # them in registers for pass 2; more passes re-read them, from L2).
+    a, b, c, d = _load_tokens(x_pairs_ptr, first_row, valid_rows, num_rows, 0, quad, quad_ok, HIDDEN, KIND,
+                              TOKENS_PER_PASS)
+    amax = abs_max4(a, b, c, d)
+    for t in range(TOKENS_PER_PASS, TOKENS, TOKENS_PER_PASS):
+        a2, b2, c2, d2 = _load_tokens(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, quad_ok, HIDDEN, KIND,
+                                      TOKENS_PER_PASS)
+        amax = tl.maximum(amax, abs_max4(a2, b2, c2, d2))
+    scale, inv_scale, is_nan = fp8_block_scale(tl.max(amax, axis=0))  # per column [Q, 2, 2]
+
+    # Pass 2: FP8 words, stored along X^T's rows.
+    word_start = tl.program_id(0) * (TOKENS // 4)
+    _store_tokens(out_words_ptr, a, b, c, d, inv_scale, is_nan, quad, quad_ok, word_start, out_row_stride)
+    for t in range(TOKENS_PER_PASS, TOKENS, TOKENS_PER_PASS):
+        a2, b2, c2, d2 = _load_tokens(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, quad_ok, HIDDEN, KIND,
+                                      TOKENS_PER_PASS)
+        _store_tokens(out_words_ptr, a2, b2, c2, d2, inv_scale, is_nan, quad, quad_ok, word_start + t // 4,
+                      out_row_stride)
+    scale_offsets = tl.program_id(0).to(tl.int64) * HIDDEN + quad_columns(quad)
+    if quad_ok is None:
+        tl.store(scales_ptr + scale_offsets, scale)
+    else:
+        tl.store(scales_ptr + scale_offsets, scale, mask=quad_ok[:, None, None])
+
+
+@triton.jit
+def _load_tokens(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, quad_ok, HIDDEN: tl.constexpr,
+                 KIND: tl.constexpr, TOKENS_PER_PASS: tl.constexpr):
+    """Tokens t .. t + TOKENS_PER_PASS of the block as four slices, slice k holding tokens t + 4j + k
+    (_transposed_tiles); tokens past the segment (and rows outside the input) read as 0."""
+    token = t + 4 * tl.arange(0, TOKENS_PER_PASS // 4)
     rows = first_row + token
     ok = (token < valid_rows) & (rows >= 0) & (rows < num_rows)
     a = load_slice(x_pairs_ptr, rows, ok, quad, quad_ok, HIDDEN // 4, KIND)
@@ -65,12 +101,13 @@ def _quantize_fp8_cols_kernel(
     c = load_slice(x_pairs_ptr, rows + 2, ok, quad, quad_ok, HIDDEN // 4, KIND)
     ok = (token + 3 < valid_rows) & (rows + 3 >= 0) & (rows + 3 < num_rows)
     d = load_slice(x_pairs_ptr, rows + 3, ok, quad, quad_ok, HIDDEN // 4, KIND)
+    return a, b, c, d
 
-    scale, inv_scale, is_nan = fp8_block_scale(tl.max(abs_max4(a, b, c, d), axis=0))  # per column [Q, 2, 2]
+
+@triton.jit
+def _store_tokens(out_words_ptr, a, b, c, d, inv_scale, is_nan, quad, quad_ok, word_start, out_row_stride):
     words = tl.where(is_nan[None], E4M3_NAN * 0x01010101, e4m3_word(a, b, c, d, inv_scale[None]))
-    store_column_words(out_words_ptr, words, quad, quad_ok, tl.program_id(0) * (TOKENS // 4), out_row_stride)
-    tl.store(scales_ptr + tl.program_id(0).to(tl.int64) * HIDDEN + quad_columns(quad), scale,
-             mask=quad_ok[:, None, None])
+    store_column_words(out_words_ptr, words, quad, quad_ok, word_start, out_row_stride)
 
 
 def quantize_fp8_cols(
@@ -105,6 +142,7 @@ def quantize_fp8_cols(
         EXPERTS_POW2=experts_pow2(tokens_per_expert),
         TOKENS=FP8_BLOCK,
         BLOCK_QUADS=config.block_cols,
+        TOKENS_PER_PASS=config.block_rows,
         num_warps=config.num_warps,
     )
     return FP8BlockTensor(data, block_scales, COLWISE, segment_offsets)
@@ -117,5 +155,5 @@ def sm90_specs(variant: BuildVariant, config: TileConfig = DEFAULT_CONFIG) -> Li
         {"x_pairs_ptr": variant.pairs_pointer, "out_words_ptr": "*i32", "scales_ptr": "*fp32", "counts_ptr": "*i64",
          "segment_offsets_ptr": "*i64", "num_rows": "i32", "num_experts": "i32", "out_row_stride": "i32"},
         {"HIDDEN": variant.hidden, "KIND": variant.input_kind, "EXPERTS_POW2": EXPERTS_POW2, "TOKENS": FP8_BLOCK,
-         "BLOCK_QUADS": config.block_cols},
+         "BLOCK_QUADS": config.block_cols, "TOKENS_PER_PASS": config.block_rows},
         config.num_warps, FP8_BLOCK * config.block_cols * 4)]

@@ -7,6 +7,7 @@ ptxas catches those on a CPU-only machine, and the SASS it yields shows what a k
 """
 
 import dataclasses
+import sys
 from typing import List
 
 import triton
@@ -48,7 +49,8 @@ def candidate_specs(hidden: int = 7168, input_kind: int = 0) -> List[KernelSpec]
 
 
 def _config_label(spec: KernelSpec) -> str:
-    tile = [spec.constexprs[k] for k in ("BLOCK_ROWS", "BLOCK_GROUPS", "BLOCK_QUADS") if k in spec.constexprs]
+    keys = ("BLOCK_ROWS", "TOKENS_PER_PASS", "ROWS_PER_PASS", "BLOCK_GROUPS", "BLOCK_QUADS")
+    tile = [spec.constexprs[k] for k in keys if k in spec.constexprs]
     return "x".join(str(v) for v in tile) + f"/{spec.num_warps}w"
 
 
@@ -71,15 +73,20 @@ def compile_sm90(spec: KernelSpec):
 CHECKED_VARIANTS = [(7168, True, 0), (2048, False, 1), (256, True, 2)]
 
 
-def main() -> int:
-    """Compile every kernel variant in CHECKED_VARIANTS; print one line each. Needs
-    TRITON_INTERPRET unset (the interpreter has no compiler behind it)."""
-    for hidden, ceil_rule, input_kind in CHECKED_VARIANTS:
-        for spec in kernel_specs(hidden, ceil_rule, input_kind):
-            compiled = compile_sm90(spec)
-            if "ld.local" in compiled.asm["ptx"]:
-                raise SystemExit(f"{spec.name} (hidden {hidden}) spills to local memory")
-            print(f"sm_90 ok: {spec.name} hidden={hidden} ceil={ceil_rule} kind={input_kind}")
+def main(argv=None) -> int:
+    """Compile every kernel variant in CHECKED_VARIANTS (with --candidates: every candidate tile
+    config of the FP8 quantizers, BF16 at hidden 7168, which a GPU sweep would compile); print one
+    line each. Needs TRITON_INTERPRET unset (the interpreter has no compiler behind it)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--candidates" in argv:
+        builds = [((7168, True, 0), spec) for spec in candidate_specs()]
+    else:
+        builds = [(variant, spec) for variant in CHECKED_VARIANTS for spec in kernel_specs(*variant)]
+    for (hidden, ceil_rule, input_kind), spec in builds:
+        compiled = compile_sm90(spec)
+        if "ld.local" in compiled.asm["ptx"]:
+            raise SystemExit(f"{spec.name} (hidden {hidden}) spills to local memory")
+        print(f"sm_90 ok: {spec.name} hidden={hidden} ceil={ceil_rule} kind={input_kind}")
     return 0
 
 

@@ -9,7 +9,7 @@ import triton.language as tl
 
 import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
-from megatron_fp4.kernels import fp8_quantize, fp8_quantize_cols, fp8_quantize_weight
+from megatron_fp4.kernels import TileConfig, fp8_quantize, fp8_quantize_cols, fp8_quantize_weight
 from megatron_fp4.kernels._bits import e4m3_code_bits
 
 from support.inputs import assert_same_bits, assert_same_fp8, column_hard_cases, hard_input
@@ -86,6 +86,16 @@ def test_quantize_fp8_rows_input_not_8_byte_aligned(device, dtype):
 def test_quantize_fp8_cols_every_config(device, config):
     counts = [5, 0, 131, 1, 0, 64]  # empty experts, segments of 1 and of 128 + 3 tokens
     x = column_hard_cases(hard_input(sum(counts), 256, torch.bfloat16, seed=63, device=device))
+    got = mf.quantize_fp8_cols(x, torch.tensor(counts, device=device), config=config)
+    assert_same_fp8(got, ref.quantize_fp8_cols(x, counts))
+
+
+@pytest.mark.parametrize("tokens_per_pass", [128, 64])
+def test_quantize_fp8_cols_partial_column_tiles(device, tokens_per_pass):
+    # 256 columns a program over 384: the masked column tail no candidate reaches at H % 128 == 0.
+    counts = [0, 70, 0, 3]
+    x = column_hard_cases(hard_input(sum(counts), 384, torch.bfloat16, seed=65, device=device))
+    config = TileConfig(block_rows=tokens_per_pass, block_cols=64, num_warps=4)
     got = mf.quantize_fp8_cols(x, torch.tensor(counts, device=device), config=config)
     assert_same_fp8(got, ref.quantize_fp8_cols(x, counts))
 
