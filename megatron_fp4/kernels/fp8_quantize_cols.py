@@ -24,13 +24,15 @@ from ._transposed_tiles import load_slice, quad_columns, store_column_words
 
 # block_cols counts quads of hidden columns (4 each); block_rows is the tokens per pass over the
 # 128-token FP8 block: 128 holds the block in registers, fewer read it twice (an amax pass, then a
-# convert pass from L2) with fewer registers and wider programs. The sweep's candidates
-# (benchmarks/bench_quantizers.py); the default is the first until a GPU run picks.
+# convert pass from L2) with fewer registers and wider programs. Each candidate gives a thread at
+# least two quads of a slice (block_rows / 4 x block_cols >= 2 x threads), so loads stay 16-byte
+# vectors. The sweep's candidates (benchmarks/bench_quantizers.py); the default is the first
+# until a GPU run picks.
 CONFIGS = (
     TileConfig(block_rows=FP8_BLOCK, block_cols=16, num_warps=8),
     TileConfig(block_rows=FP8_BLOCK, block_cols=8, num_warps=4),
-    TileConfig(block_rows=32, block_cols=32, num_warps=8),
-    TileConfig(block_rows=32, block_cols=16, num_warps=4),
+    TileConfig(block_rows=64, block_cols=32, num_warps=8),
+    TileConfig(block_rows=32, block_cols=32, num_warps=4),
 )
 DEFAULT_CONFIG = CONFIGS[0]
 
@@ -60,25 +62,27 @@ def _quantize_fp8_cols_kernel(
         quad_ok = None  # whole tiles: no column masks
     else:
         quad_ok = quad < HIDDEN // 4
-    # Pass 1: the columns' amax over the block's tokens, TOKENS_PER_PASS at a time (one pass keeps
-    # them in registers for pass 2; more passes re-read them, from L2).
+    word_start = tl.program_id(0) * (TOKENS // 4)
     a, b, c, d = _load_tokens(x_pairs_ptr, first_row, valid_rows, num_rows, 0, quad, quad_ok, HIDDEN, KIND,
                               TOKENS_PER_PASS)
-    amax = abs_max4(a, b, c, d)
-    for t in range(TOKENS_PER_PASS, TOKENS, TOKENS_PER_PASS):
-        a2, b2, c2, d2 = _load_tokens(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, quad_ok, HIDDEN, KIND,
+    if TOKENS_PER_PASS == TOKENS:
+        # One pass: the block stays in registers from its amax to its FP8 words.
+        scale, inv_scale, is_nan = fp8_block_scale(tl.max(abs_max4(a, b, c, d), axis=0))  # per column [Q, 2, 2]
+        _store_tokens(out_words_ptr, a, b, c, d, inv_scale, is_nan, quad, quad_ok, word_start, out_row_stride)
+    else:
+        # An amax pass keeping only the running elementwise max, then a convert pass that reads the
+        # block again (from L2): fewer registers for wider tiles.
+        amax = abs_max4(a, b, c, d)
+        for t in range(TOKENS_PER_PASS, TOKENS, TOKENS_PER_PASS):
+            a, b, c, d = _load_tokens(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, quad_ok, HIDDEN, KIND,
                                       TOKENS_PER_PASS)
-        amax = tl.maximum(amax, abs_max4(a2, b2, c2, d2))
-    scale, inv_scale, is_nan = fp8_block_scale(tl.max(amax, axis=0))  # per column [Q, 2, 2]
-
-    # Pass 2: FP8 words, stored along X^T's rows.
-    word_start = tl.program_id(0) * (TOKENS // 4)
-    _store_tokens(out_words_ptr, a, b, c, d, inv_scale, is_nan, quad, quad_ok, word_start, out_row_stride)
-    for t in range(TOKENS_PER_PASS, TOKENS, TOKENS_PER_PASS):
-        a2, b2, c2, d2 = _load_tokens(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, quad_ok, HIDDEN, KIND,
+            amax = tl.maximum(amax, abs_max4(a, b, c, d))
+        scale, inv_scale, is_nan = fp8_block_scale(tl.max(amax, axis=0))
+        for t in range(0, TOKENS, TOKENS_PER_PASS):
+            a, b, c, d = _load_tokens(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, quad_ok, HIDDEN, KIND,
                                       TOKENS_PER_PASS)
-        _store_tokens(out_words_ptr, a2, b2, c2, d2, inv_scale, is_nan, quad, quad_ok, word_start + t // 4,
-                      out_row_stride)
+            _store_tokens(out_words_ptr, a, b, c, d, inv_scale, is_nan, quad, quad_ok, word_start + t // 4,
+                          out_row_stride)
     scale_offsets = tl.program_id(0).to(tl.int64) * HIDDEN + quad_columns(quad)
     if quad_ok is None:
         tl.store(scales_ptr + scale_offsets, scale)

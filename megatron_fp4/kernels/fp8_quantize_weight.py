@@ -29,13 +29,14 @@ from ._transposed_tiles import load_slice, store_column_words
 # One 128x128 block per program. block_rows = rows per pass: 128 holds the block in registers
 # (one read; wide programs, few of them per SM), fewer reads it twice, an amax pass and a convert
 # pass (the second read hits L2; small programs, several per SM overlap their loads and their
-# arithmetic). The sweep's candidates (benchmarks/bench_quantizers.py); the default is the first
-# until a GPU run picks one.
+# arithmetic). Transposed, a pass of R rows gives each thread R / 4 x 32 / threads quads per slice;
+# every candidate keeps that >= 2, so loads stay 16-byte vectors. The sweep's candidates
+# (benchmarks/bench_quantizers.py); the default is the first until a GPU run picks one.
 CONFIGS = (
     TileConfig(block_rows=32, block_cols=FP8_BLOCK, num_warps=4),
     TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=16),
-    TileConfig(block_rows=32, block_cols=FP8_BLOCK, num_warps=8),
-    TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=32),
+    TileConfig(block_rows=64, block_cols=FP8_BLOCK, num_warps=8),
+    TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]
 
@@ -68,16 +69,19 @@ def _quantize_fp8_weight_kernel(
     first_row = row_block * BLOCK
 
     a, b, c, d = _load_rows(w_pairs_ptr, first_row, quad, COLS, KIND, TRANSPOSE, ROWS_PER_PASS)
-    amax = tl.max(abs_max4(a, b, c, d))
-    for r in range(ROWS_PER_PASS, BLOCK, ROWS_PER_PASS):  # no iteration when one pass holds the block
-        a2, b2, c2, d2 = _load_rows(w_pairs_ptr, first_row + r, quad, COLS, KIND, TRANSPOSE, ROWS_PER_PASS)
-        amax = tl.maximum(amax, tl.max(abs_max4(a2, b2, c2, d2)))
-    scale, inv_scale, is_nan = fp8_block_scale(amax)
-
-    _store_rows(out_words_ptr, a, b, c, d, inv_scale, is_nan, first_row, quad, ROWS, COLS, TRANSPOSE)
-    for r in range(ROWS_PER_PASS, BLOCK, ROWS_PER_PASS):
-        a2, b2, c2, d2 = _load_rows(w_pairs_ptr, first_row + r, quad, COLS, KIND, TRANSPOSE, ROWS_PER_PASS)
-        _store_rows(out_words_ptr, a2, b2, c2, d2, inv_scale, is_nan, first_row + r, quad, ROWS, COLS, TRANSPOSE)
+    if ROWS_PER_PASS == BLOCK:
+        scale, inv_scale, is_nan = fp8_block_scale(tl.max(abs_max4(a, b, c, d)))
+        _store_rows(out_words_ptr, a, b, c, d, inv_scale, is_nan, first_row, quad, ROWS, COLS, TRANSPOSE)
+    else:
+        # Only the running elementwise max lives across the amax pass; one reduction at its end.
+        amax = abs_max4(a, b, c, d)
+        for r in range(ROWS_PER_PASS, BLOCK, ROWS_PER_PASS):
+            a, b, c, d = _load_rows(w_pairs_ptr, first_row + r, quad, COLS, KIND, TRANSPOSE, ROWS_PER_PASS)
+            amax = tl.maximum(amax, abs_max4(a, b, c, d))
+        scale, inv_scale, is_nan = fp8_block_scale(tl.max(amax))
+        for r in range(0, BLOCK, ROWS_PER_PASS):
+            a, b, c, d = _load_rows(w_pairs_ptr, first_row + r, quad, COLS, KIND, TRANSPOSE, ROWS_PER_PASS)
+            _store_rows(out_words_ptr, a, b, c, d, inv_scale, is_nan, first_row + r, quad, ROWS, COLS, TRANSPOSE)
     if TRANSPOSE:
         tl.store(scales_ptr + col_block * SCALE_STRIDE + row_block, scale)
     else:
