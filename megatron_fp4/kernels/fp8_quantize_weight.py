@@ -28,14 +28,16 @@ from ._transposed_tiles import load_slice, store_column_words
 
 # One 128x128 block per program. block_rows = rows per pass: 128 holds the block in registers
 # (one read; wide programs, few of them per SM), fewer reads it twice, an amax pass and a convert
-# pass (the second read hits L2; small programs, several per SM overlap their loads and their
-# arithmetic). Transposed, a pass of R rows gives each thread R / 4 x 32 / threads quads per slice;
-# every candidate keeps that >= 2, so loads stay 16-byte vectors. The sweep's candidates
-# (benchmarks/bench_quantizers.py); the default is the first until a GPU run picks one.
+# pass (small programs, several per SM overlap their loads and their arithmetic, but the second
+# read only hits L2 while the blocks in flight fit in it: 32 rows on 4 warps, 36 registers, may
+# keep ~16 blocks of 32 KB per SM in flight, more than L2 holds at 132 SMs). Transposed, a pass of
+# R rows gives each thread R / 4 x 32 / threads quads per slice; every candidate keeps that >= 2,
+# so loads stay 16-byte vectors. The sweep's candidates (benchmarks/bench_quantizers.py); the
+# default is the first until a GPU run picks one.
 CONFIGS = (
-    TileConfig(block_rows=32, block_cols=FP8_BLOCK, num_warps=4),
     TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=16),
     TileConfig(block_rows=64, block_cols=FP8_BLOCK, num_warps=8),
+    TileConfig(block_rows=32, block_cols=FP8_BLOCK, num_warps=4),
     TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]
