@@ -19,7 +19,7 @@ from ._checks import TileConfig, check_float_matrix, float_kind, quad_ready
 from ._format_constants import E4M3_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
 
-# block_cols counts 128-element groups. The sweep's candidates (benchmarks/bench_kernels.py);
+# block_cols counts 128-element groups. The sweep's candidates (benchmarks/bench_quantizers.py);
 # the default is the first until a GPU run picks one.
 CONFIGS = (
     TileConfig(block_rows=16, block_cols=8, num_warps=8),
@@ -41,9 +41,9 @@ def _quantize_fp8_rows_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
 ):
-    # A [rows, groups, 32] tile of element quads: each thread reads 16-byte vectors of 8 BF16 and
-    # writes the matching 8-byte vectors of FP8 in the same register layout (no shared memory), and
-    # a group's amax is a reduction over the few lanes that hold it.
+    # A [rows, groups, 32] tile of element quads (int64 for 16-bit inputs): each thread reads
+    # 16-byte vectors of 8 BF16 and writes its elements' FP8 bytes from the same register layout
+    # (16-byte stores, no shared memory); a group's amax is a reduction over the 8 lanes holding it.
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
     quad = tl.arange(0, 32)
