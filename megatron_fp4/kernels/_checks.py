@@ -18,6 +18,14 @@ class TileConfig:
     num_warps: int
 
 
+def check_rows_per_pass(name: str, rows_per_pass: int, block: int) -> None:
+    """A two-pass tile config reads a block of `block` rows in passes of rows_per_pass: a power of
+    two from 16 up to the block (a pass is four slices of whole 4-row groups, and a partial last
+    pass would write past its block)."""
+    if rows_per_pass < 16 or rows_per_pass > block or block % rows_per_pass or rows_per_pass & (rows_per_pass - 1):
+        raise ValueError(f"{name}: config.block_rows {rows_per_pass} must be a power of two from 16 to {block}")
+
+
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

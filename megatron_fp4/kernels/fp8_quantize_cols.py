@@ -16,7 +16,7 @@ import triton.language as tl
 from ..formats import FP8_BLOCK
 from ..tensors import COLWISE, FP8BlockTensor
 from ._bits import abs_max4, e4m3_word, fp8_block_scale
-from ._checks import TileConfig, check_float_matrix, float_kind, quad_ready
+from ._checks import TileConfig, check_float_matrix, check_rows_per_pass, float_kind, quad_ready
 from ._format_constants import E4M3_NAN
 from ._segments import block_rows, check_segments, empty_colwise, experts_pow2
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
@@ -127,6 +127,7 @@ def quantize_fp8_cols(
     tokens_per_expert: int32/int64 [E] on x's device (no host sync); capacity defaults to
     colwise_capacity(T, E); check_counts as in mxfp4_to_fp8_cols."""
     check_float_matrix("quantize_fp8_cols", x, FP8_BLOCK)
+    check_rows_per_pass("quantize_fp8_cols", config.block_rows, FP8_BLOCK)
     num_rows, hidden = x.shape
     capacity = check_segments("quantize_fp8_cols", tokens_per_expert, x.device, num_rows, capacity, check_counts)
     num_experts = tokens_per_expert.numel()

@@ -21,7 +21,7 @@ from ..formats import FP8_BLOCK
 from ..tensors import FP8BlockWeight, FP8StackedWeights, padded_scale_columns
 from ._addresses import address_table
 from ._bits import abs_max4, e4m3_word, fp8_block_scale, load_float_quads
-from ._checks import TileConfig, check_float_matrix, float_kind, pair_view
+from ._checks import TileConfig, check_float_matrix, check_rows_per_pass, float_kind, pair_view
 from ._format_constants import E4M3_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
 from ._transposed_tiles import load_slice, store_column_words
@@ -141,6 +141,7 @@ def quantize_fp8_weights_stacked(weights: Sequence[torch.Tensor], transpose: boo
         raise ValueError(f"{name}: no weights given")
     first = weights[0]
     check_float_matrix(name, first, FP8_BLOCK)
+    check_rows_per_pass(name, config.block_rows, FP8_BLOCK)
     rows, cols = first.shape
     if rows % FP8_BLOCK:
         raise ValueError(f"{name}: rows {rows} must be a multiple of {FP8_BLOCK}")

@@ -100,6 +100,15 @@ def test_quantize_fp8_cols_partial_column_tiles(device, tokens_per_pass):
     assert_same_fp8(got, ref.quantize_fp8_cols(x, counts))
 
 
+def test_two_pass_configs_refuse_partial_passes(device):
+    x = torch.zeros(128, 256, device=device)
+    for rows in (48, 8, 256):
+        with pytest.raises(ValueError, match="power of two"):
+            mf.quantize_fp8_cols(x, torch.tensor([128], device=device), config=TileConfig(rows, 16, 4))
+        with pytest.raises(ValueError, match="power of two"):
+            mf.quantize_fp8_weight(x, config=TileConfig(rows, 128, 4))
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("config", fp8_quantize_weight.CONFIGS, ids=str)
 def test_quantize_fp8_weight_every_config(device, config, transpose):
