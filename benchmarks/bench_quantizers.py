@@ -12,7 +12,9 @@ Timing: CUDA events around a batch of calls queued behind a GPU sleep (so the ho
 never shows), fresh random inputs rotating over three buffers far larger than L2, warm-up first,
 median over the repeats. Effective bandwidth counts every input byte read once and every output
 byte written once. Rows go to benchmarks/results/bench_quantizers.jsonl (metric "bandwidth",
-ratio = share of the copy); about a minute at the default size.
+ratio = share of the copy, `config` = [block_rows, block_cols, num_warps] of the module's
+TileConfig: rows x 128-groups for rows, tokens per pass x column quads for cols, rows per pass x
+128 for the weight; `default` marks CONFIGS[0]); about a minute at the default size.
 
     python -m benchmarks.bench_quantizers [--sizes 16384x7168] [--kernels rows,cols,weight,weight_t]
 """
