@@ -30,7 +30,7 @@ from megatron_fp4 import kernels as K
 from megatron_fp4.formats import FP8_BLOCK
 from megatron_fp4.kernels import GemmTiles
 from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES
-from benchmarks.bench_kernels import ragged_counts
+from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
 
 HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768

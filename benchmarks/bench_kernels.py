@@ -27,7 +27,8 @@ import triton.testing
 import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
 from megatron_fp4.formats import FP8_BLOCK, mxfp4_wire_bytes_per_row
-from megatron_fp4.kernels import TileConfig
+from megatron_fp4.kernels import TileConfig, fp8_quantize, fp8_quantize_cols, fp8_quantize_weight
+from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
 
 ROTATE_BYTES = 1 << 30  # inputs rotate over at least 1 GiB (H200 L2: 60 MB)
@@ -45,15 +46,6 @@ class Case:
     run: Callable[[object, Optional[TileConfig]], object]
     baseline: Optional[Callable[[object], object]]  # None: no compiled composite to compare with
     bytes_moved: Callable[[int, int], int]
-
-
-def ragged_counts(tokens: int, experts: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    weights = torch.rand(experts, generator=g)
-    weights[torch.randperm(experts, generator=g)[: experts // 4]] = 0  # a quarter empty
-    counts = torch.floor(weights / weights.sum() * tokens).long()
-    counts[int(torch.argmax(weights))] += tokens - int(counts.sum())
-    return counts
 
 
 def uniform_counts(tokens: int, experts: int) -> torch.Tensor:
@@ -116,9 +108,10 @@ def build_cases(tokens: int, hidden: int) -> List[Case]:
              lambda x, cfg: mf.quantize_fp8_cols(x, ragged_dev, check_counts=False, **_cfg(cfg)),
              None,  # the reference loops over experts in Python: no compiled baseline
              lambda t, h: t * h * 2 + h * capacity + (capacity // FP8_BLOCK) * h * 4),
-        Case("quantize_fp8_weight", lambda x: x, lambda w, cfg: mf.quantize_fp8_weight(w), weight_ref,
+        Case("quantize_fp8_weight", lambda x: x, lambda w, cfg: mf.quantize_fp8_weight(w, **_cfg(cfg)), weight_ref,
              lambda t, h: t * h * 3 + (t // FP8_BLOCK) * (h // FP8_BLOCK) * 4),
-        Case("quantize_fp8_weight_t", lambda x: x, lambda w, cfg: mf.quantize_fp8_weight(w, transpose=True),
+        Case("quantize_fp8_weight_t", lambda x: x,
+             lambda w, cfg: mf.quantize_fp8_weight(w, transpose=True, **_cfg(cfg)),
              lambda w: weight_ref(w, True), lambda t, h: t * h * 3 + (t // FP8_BLOCK) * (h // FP8_BLOCK) * 4),
     ]
 
@@ -165,9 +158,12 @@ SWEEP = {
     "mxfp4_to_fp8_rows": [TileConfig(r, c, w) for r, c, w in
                           [(8, 4, 4), (8, 8, 4), (4, 16, 4), (8, 16, 8), (4, 8, 4), (16, 16, 8)]],
     "mxfp4_to_fp8_cols": [TileConfig(128, c, w) for c, w in [(2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (8, 16)]],
-    "quantize_fp8_rows": [TileConfig(r, c, w) for r, c, w in
-                          [(8, 4, 4), (8, 8, 8), (16, 4, 4), (16, 4, 8), (4, 8, 4), (32, 2, 8), (16, 2, 4), (8, 2, 4)]],
-    "quantize_fp8_cols_ragged": [TileConfig(128, c, w) for c, w in [(16, 4), (8, 4), (32, 4), (32, 8), (64, 8)]],
+    # The FP8 quantizers' candidates live next to their kernels (benchmarks/bench_quantizers.py
+    # sweeps them alone, faster).
+    "quantize_fp8_rows": list(fp8_quantize.CONFIGS),
+    "quantize_fp8_cols_ragged": list(fp8_quantize_cols.CONFIGS),
+    "quantize_fp8_weight": list(fp8_quantize_weight.CONFIGS),
+    "quantize_fp8_weight_t": list(fp8_quantize_weight.CONFIGS),
     "dequantize_fp8": [TileConfig(r, c, w) for r, c, w in [(8, 4, 4), (8, 8, 8)]],
 }
 
@@ -182,7 +178,7 @@ def sweep(copy_bw: float, only: Optional[List[str]]) -> Dict[str, TileConfig]:
         configs = SWEEP.get(case.name) or SWEEP.get(case.name.replace("_ragged", ""))
         uniform_twin = case.name.endswith("_ragged") and case.name not in SWEEP
         if not configs or uniform_twin or (only and case.name not in only):
-            continue  # kernels without tile choices (the weight quantizer) are timed as they are
+            continue  # kernels without tile choices are timed as they are
         inputs = rotating_inputs(case, tokens, hidden, gen)
         results = []
         for cfg in configs:
@@ -226,7 +222,7 @@ def main(argv=None) -> int:
         for case in build_cases(tokens, hidden):
             started = time.time()
             inputs = rotating_inputs(case, tokens, hidden, gen)
-            cfg = best.get(case.name.replace("_ragged", ""))
+            cfg = best.get(case.name) or best.get(case.name.replace("_ragged", ""))
             ms = median_ms(lambda i: case.run(i, cfg), inputs)
             gbps = case.bytes_moved(tokens, hidden) / (ms * 1e-3) / 1e9
             pct = 100 * gbps * 1e9 / copy_bw

@@ -1,5 +1,6 @@
 """What the MoE-layer benchmarks and profiles share: their options, the expert-parallel setup on
-torchrun, the layer config, and CUDA-event timing taken as the slowest rank's median."""
+torchrun, the layer config, and CUDA-event timing taken as the slowest rank's median; and the
+kernel benchmarks' ragged expert counts."""
 
 import argparse
 import os
@@ -10,6 +11,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.rows import Recorder
+
+
+def ragged_counts(tokens: int, experts: int, seed: int) -> torch.Tensor:
+    """Random expert sizes summing to tokens, a quarter of the experts empty (the kernel benchmarks'
+    ragged case)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(experts, generator=g)
+    weights[torch.randperm(experts, generator=g)[: experts // 4]] = 0
+    counts = torch.floor(weights / weights.sum() * tokens).long()
+    counts[int(torch.argmax(weights))] += tokens - int(counts.sum())
+    return counts
 
 
 def layer_options(description: str) -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@
 # e.g. the patch tests, downloads from the registry, which the device machines cannot reach.)
 #
 #   benchmarks/gpu_checks.sh               # on a machine with 1+ GPUs, from anywhere
-# Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_grouped_gemm moe_layer_1gpu
+# Environment: CHECKS (space-separated step names: tests experts_tests bench_kernels bench_quantizers bench_grouped_gemm moe_layer_1gpu
 # bench_moe_layer bench_moe_cache bench_telemetry profile_fp4_fp8 profile_cache memcap_capped train_proxy; default all) to split the
 # work over two device calls,
 # e.g. CHECKS="bench_moe_cache profile_fp4_fp8 train_proxy" TRAIN_ITERS=200; TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
@@ -41,6 +41,7 @@ step tests python3 -m pytest -q -p no:warnings -rA -s -m gpu tests
 step experts_tests python3 -m pytest -q -p no:warnings -s tests/integration/test_fp8_experts.py tests/ops/test_weight_quantizer.py \
     tests/ops/test_swiglu.py tests/ops/test_kernels.py tests/ops/test_grouped_gemm.py
 step bench_kernels python3 -m benchmarks.bench_kernels --sizes 16384x7168 --no-baseline
+step bench_quantizers python3 -m benchmarks.bench_quantizers
 step bench_grouped_gemm python3 -m benchmarks.bench_grouped_gemm
 # EP 1 on the first GPU (no torchrun), DeepSeek-V3 layer dimensions, 32 experts (five layers: weights
 # and gradients about 28 GB).

@@ -4,10 +4,11 @@
 A memory-bound kernel on H200 has about 33 thread-instructions per nanosecond to spend (132 SMs x
 128 lanes x 1.98 GHz) against 4.2 bytes of copy bandwidth: at 16384 x 7168 the quantizer's
 70 us memory floor allows roughly 20 instructions per element. This script prints instructions
-per element (static count over elements per program; the kernels have no loops) so that a change
-can be judged before it costs device time.
+per element (static count over elements per program) so that a change
+can be judged before it costs device time. The count is static: a loop the compiler keeps (the
+two-pass weight candidates' passes) counts once, so their figure understates.
 
-    python -m benchmarks.kernel_sass_stats [--dump DIR]
+    python -m benchmarks.kernel_sass_stats [--dump DIR] [--candidates]
 """
 
 import argparse
@@ -20,7 +21,7 @@ import tempfile
 
 import triton
 
-from megatron_fp4.kernels.sm90_build import compile_sm90, kernel_specs
+from megatron_fp4.kernels.sm90_build import candidate_specs, compile_sm90, kernel_specs
 
 
 def sass_histogram(cubin: bytes):
@@ -39,9 +40,11 @@ def sass_histogram(cubin: bytes):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dump", help="write each kernel's ttgir and ptx into this folder")
+    parser.add_argument("--candidates", action="store_true",
+                        help="the FP8 quantizers' candidate tile configs (bench_quantizers sweeps them) instead")
     args = parser.parse_args(argv)
-    print(f"{'kernel':20s} {'instr':>6s} {'per elem':>8s} {'LDG':>4s} {'STG':>4s} {'LDS/STS':>7s} {'regs':>5s}  top ops")
-    for spec in kernel_specs():
+    print(f"{'kernel':30s} {'instr':>6s} {'per elem':>8s} {'LDG':>4s} {'STG':>4s} {'LDS/STS':>7s} {'regs':>5s}  top ops")
+    for spec in candidate_specs() if args.candidates else kernel_specs():
         name, warps, elements = spec.name, spec.num_warps, spec.elements_per_program
         compiled = compile_sm90(spec)
         hist, regs = sass_histogram(compiled.asm["cubin"])
@@ -49,12 +52,12 @@ def main(argv=None) -> int:
         per_thread = elements / (warps * 32)
         shared = hist["LDS"] + hist["STS"]
         top = ", ".join(f"{op} {n}" for op, n in hist.most_common(6))
-        print(f"{name:20s} {total:6d} {total / per_thread:8.1f} {hist['LDG']:4d} {hist['STG']:4d} {shared:7d} "
+        print(f"{name:30s} {total:6d} {total / per_thread:8.1f} {hist['LDG']:4d} {hist['STG']:4d} {shared:7d} "
               f"{regs:5d}  {top}")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             for kind in ("ttgir", "ptx"):
-                with open(os.path.join(args.dump, f"{name}.{kind}"), "w") as f:
+                with open(os.path.join(args.dump, f"{name.replace(' ', '_').replace('/', '_')}.{kind}"), "w") as f:
                     f.write(compiled.asm[kind])
     return 0
 

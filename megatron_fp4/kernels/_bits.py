@@ -9,6 +9,8 @@ import triton.language as tl
 
 from ._format_constants import E4M3_NAN
 
+_BYTE3_MSB = tl.constexpr(-0x80000000)  # 0x80000000 as an int32 literal
+
 
 @triton.jit
 def unpack_float_pair(word, KIND: tl.constexpr):
@@ -25,6 +27,67 @@ def unpack_float_pair(word, KIND: tl.constexpr):
         lo = (word & 0xFFFFFFFF).to(tl.int32)
         hi = (word >> 32).to(tl.int32)
     return lo, hi
+
+
+@triton.jit
+def _load_or_zero(pointers, mask):
+    if mask is None:
+        return tl.load(pointers)
+    else:
+        return tl.load(pointers, mask=mask, other=0)
+
+
+@triton.jit
+def load_float_quads(pairs_ptr, quad, mask, KIND: tl.constexpr):
+    """Elements 4q .. 4q + 3 of a float tensor as four int32 fp32 bit patterns, for each quad index
+    q. pairs_ptr points at the tensor's pair view (_checks.pair_view); 16-bit floats are read as one
+    int64 per quad (16-byte vector loads of 8 elements), fp32 as two int64. mask None: no mask.
+    Masked elements read as +0."""
+    if KIND == 2:
+        e0, e1 = unpack_float_pair(_load_or_zero(pairs_ptr + 2 * quad, mask), KIND)
+        e2, e3 = unpack_float_pair(_load_or_zero(pairs_ptr + 2 * quad + 1, mask), KIND)
+    else:
+        word = _load_or_zero(pairs_ptr.to(tl.pointer_type(tl.int64)) + quad, mask)
+        e0, e1 = unpack_float_pair(word.to(tl.int32), KIND)  # the low 32 bits
+        e2, e3 = unpack_float_pair((word >> 32).to(tl.int32), KIND)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def e4m3_code_bits(v):
+    """fp32 v in [0, 448] -> int32 whose bits 0-6 are v's E4M3 code, round to nearest even (E4M3
+    subnormals included), bits 7-22 zero and bits 23-30 not (mask or shift them out).
+
+    Three integer operations and one fp32 add instead of an integer rounding (~20 operations):
+    adding magic = 2^(e + 20), e = v's binade but at least -6 (E4M3's smallest normal), makes the
+    add itself round v to a multiple of 2^(e - 3), E4M3's step there, ties to even. The sum's
+    significand counts steps above magic's; magic's low bits 8 * (biased(e) - 121) (a multiple
+    of 8, so the tie parity is v's own) turn that count into the code: 8 * (biased(e) - 121) +
+    steps, at most 126 since v <= 448. The sum stays inside magic's binade."""
+    biased = tl.maximum(v.to(tl.int32, bitcast=True) >> 23, 121)
+    magic = biased * ((1 << 23) + 8) + ((20 << 23) - 8 * 121)
+    return (v + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def e4m3_word(e0, e1, e2, e3, inv_scale):
+    """Four fp32 bit patterns (int32) times the power of two inv_scale (|x| * inv_scale <= 448) ->
+    one int32 of their E4M3 bytes, element 0 in the low byte. Signs are ORed in from the inputs
+    (so -0.0 stays 0x80). e4m3_code_bits leaves bits 7-22 zero, so shifts alone clean elements
+    2 and 3."""
+    c0 = e4m3_code_bits((e0 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale)
+    c1 = e4m3_code_bits((e1 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale)
+    c2 = e4m3_code_bits((e2 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale)
+    c3 = e4m3_code_bits((e3 & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv_scale)
+    word = (c0 & 0x7F) | ((c1 << 8) & 0x7F00) | (c2 << 16) | (c3 << 24)
+    signs = ((e0 >> 24) & 0x80) | ((e1 >> 16) & 0x8000) | ((e2 >> 8) & 0x800000) | (e3 & _BYTE3_MSB)
+    return word | signs
+
+
+@triton.jit
+def abs_max4(e0, e1, e2, e3):
+    """Largest |x| bits of four fp32 bit patterns (NaN / Inf sort above every finite value)."""
+    return tl.maximum(tl.maximum(e0 & 0x7FFFFFFF, e1 & 0x7FFFFFFF), tl.maximum(e2 & 0x7FFFFFFF, e3 & 0x7FFFFFFF))
 
 
 @triton.jit
@@ -57,25 +120,6 @@ def e2m1_to_e4m3(code, gap):
     )
     byte = tl.where(exponent >= 1, normal, subnormal)
     return tl.where(magnitude == 0, 0, byte) | sign
-
-
-@triton.jit
-def fp32_bits_to_e4m3(bits):
-    """E4M3 byte (round to nearest even) of a finite fp32 given as int32 bits, |value| <= 448."""
-    sign = (bits >> 24) & 0x80
-    magnitude = bits & 0x7FFFFFFF
-    biased = magnitude >> 23
-    mantissa = magnitude & 0x7FFFFF
-    # Normal E4M3: exponent = biased - 120 >= 1; keep 3 of 23 mantissa bits (the carry may
-    # bump the exponent, which is the right result).
-    kept = ((biased - 120) << 3) | (mantissa >> 20)
-    rest = mantissa & 0xFFFFF
-    round_up = (rest > 0x80000) | ((rest == 0x80000) & ((kept & 1) == 1))
-    normal = kept + round_up.to(tl.int32)
-    # Subnormal E4M3 counts units of 2^-9: the 24-bit significand shifted right by 141 - biased.
-    significand = mantissa | tl.where(biased > 0, 0x800000, 0)
-    subnormal = rne_shift_right(significand, tl.maximum(141 - biased, 1))
-    return tl.where(biased >= 121, normal, subnormal) | sign
 
 
 @triton.jit

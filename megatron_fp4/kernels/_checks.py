@@ -18,6 +18,14 @@ class TileConfig:
     num_warps: int
 
 
+def check_rows_per_pass(name: str, rows_per_pass: int, block: int) -> None:
+    """A two-pass tile config reads a block of `block` rows in passes of rows_per_pass: a power of
+    two from 16 up to the block (a pass is four slices of whole 4-row groups, and a partial last
+    pass would write past its block)."""
+    if rows_per_pass < 16 or rows_per_pass > block or block % rows_per_pass or rows_per_pass & (rows_per_pass - 1):
+        raise ValueError(f"{name}: config.block_rows {rows_per_pass} must be a power of two from 16 to {block}")
+
+
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -55,6 +63,15 @@ def check_hidden_multiple(name: str, hidden: int, multiple_of: int) -> None:
 def pair_view(x: torch.Tensor) -> torch.Tensor:
     """View a contiguous float matrix as one integer per two elements (see unpack_float_pair)."""
     return x.view(torch.int64 if x.element_size() == 4 else torch.int32)
+
+
+def quad_ready(x: torch.Tensor) -> torch.Tensor:
+    """pair_view of x for kernels that read four elements per int64 (_bits.load_float_quads): a
+    16-bit input must start 8-byte aligned, which a view into the middle of a buffer may not; such
+    an input is copied (a rare path: every freshly allocated tensor is aligned)."""
+    if x.element_size() == 2 and x.data_ptr() % 8:
+        x = x.clone()
+    return pair_view(x)
 
 
 def float_kind(dtype: torch.dtype) -> int:

@@ -15,26 +15,40 @@ from ..layout import colwise_capacity
 
 
 @triton.jit
-def block_source_rows(counts_ptr, segment_offsets_ptr, num_experts, num_rows, column_start,
-                      EXPERTS_POW2: tl.constexpr, TOKENS: tl.constexpr):
-    """For the 128-token block of X^T starting at column_start: the input row of its first token,
-    how many of its tokens are real (0 for padding), and per token its input row and whether it is
-    real. Program (0, 0) also writes the segment offsets [E + 1]. Bad counts never lead outside
-    [0, num_rows)."""
+def block_rows(counts_ptr, segment_offsets_ptr, num_experts, column_start, EXPERTS_POW2: tl.constexpr,
+               TOKENS: tl.constexpr):
+    """For the 128-token block of X^T starting at column_start: the input row of its first token
+    and how many of its tokens are real (0 for padding). Program (0, 0) also writes the segment
+    offsets [E + 1].
+
+    One cumsum and one reduction: the block's first row is column_start minus the padding of the
+    segments that end at or before it, and its last row + 1 is the token count of the segments
+    that start at or before it (empty ones add nothing; past the last segment this gives a count
+    <= 0). Both sums travel in one int64 (padding low, tokens high) so the program reduces once.
+    int32 arithmetic elsewhere: fewer shuffles than int64. Bad counts give garbage rows, which the
+    caller bounds to [0, num_rows)."""
     expert_ids = tl.arange(0, EXPERTS_POW2)
-    counts = tl.load(counts_ptr + expert_ids, mask=expert_ids < num_experts, other=0).to(tl.int64)
+    counts = tl.load(counts_ptr + expert_ids, mask=expert_ids < num_experts, other=0).to(tl.int32)
     padded = (counts + TOKENS - 1) // TOKENS * TOKENS
     segment_ends = tl.cumsum(padded, axis=0)
-    source_ends = tl.cumsum(counts, axis=0)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(segment_offsets_ptr + expert_ids, segment_ends - padded, mask=expert_ids < num_experts)
-        tl.store(segment_offsets_ptr + num_experts, tl.sum(padded, axis=0))
-    # The expert owning this block: segments ending at or before it come earlier.
-    expert = tl.sum(((segment_ends <= column_start) & (expert_ids < num_experts)).to(tl.int32), axis=0)
-    mine = expert_ids == expert
-    first_row = tl.sum(tl.where(mine, source_ends - counts + column_start - (segment_ends - padded), 0), axis=0)
-    valid_rows = tl.sum(tl.where(mine, source_ends, 0), axis=0) - first_row
-    valid_rows = tl.where(expert < num_experts, tl.minimum(tl.maximum(valid_rows, 0), TOKENS), 0)
+        tl.store(segment_offsets_ptr + expert_ids, (segment_ends - padded).to(tl.int64), mask=expert_ids < num_experts)
+        tl.store(segment_offsets_ptr + num_experts, tl.sum(padded, axis=0).to(tl.int64))
+    padding_before = tl.where(segment_ends <= column_start, padded - counts, 0)
+    tokens_started = tl.where(segment_ends - padded <= column_start, counts, 0)
+    both = tl.sum(padding_before.to(tl.int64) + (tokens_started.to(tl.int64) << 32), axis=0)
+    first_row = column_start - (both & 0xFFFFFFFF).to(tl.int32)
+    valid_rows = tl.minimum(tl.maximum((both >> 32).to(tl.int32) - first_row, 0), TOKENS)
+    return first_row, valid_rows
+
+
+@triton.jit
+def block_source_rows(counts_ptr, segment_offsets_ptr, num_experts, num_rows, column_start,
+                      EXPERTS_POW2: tl.constexpr, TOKENS: tl.constexpr):
+    """block_rows, plus per token its input row and whether it is real. Bad counts never lead
+    outside [0, num_rows)."""
+    first_row, valid_rows = block_rows(counts_ptr, segment_offsets_ptr, num_experts, column_start, EXPERTS_POW2,
+                                       TOKENS)
     token = tl.arange(0, TOKENS)
     source_row = (first_row + token).to(tl.int64)
     valid = (token < valid_rows) & (source_row >= 0) & (source_row < num_rows)

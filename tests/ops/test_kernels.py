@@ -12,8 +12,8 @@ from megatron_fp4.formats import mxfp4_wire_bytes_per_row
 from megatron_fp4.kernels.mxfp4_to_fp8 import DEFAULT_ROWS_CONFIG
 from megatron_fp4.tensors import MXFP4Tensor
 
-from support.inputs import (assert_same_bits, assert_same_fp8, assert_same_mxfp4, every_code_at_every_gap, hard_input,
-                            random_input)
+from support.inputs import (assert_same_bits, assert_same_fp8, assert_same_mxfp4, column_hard_cases,
+                            every_code_at_every_gap, hard_input, random_input)
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -111,20 +111,10 @@ def test_quantize_fp8_rows(device, dtype):
     assert_same_fp8(mf.quantize_fp8_rows(x), ref.quantize_fp8_rows(x))
 
 
-def _column_hard_cases(x: torch.Tensor) -> torch.Tensor:
-    """Plant along tokens what hard_input plants along hidden: a 2^20 range, subnormals and zeros
-    inside one 128-token block of one column (the cols quantizer's groups run along tokens)."""
-    tokens = min(128, x.shape[0])
-    x[:tokens, 3] = (torch.exp2(torch.linspace(-10, 10, tokens)) * torch.where(torch.arange(tokens) % 3 == 0, -1.0, 1.0)).to(x.dtype)
-    x[:tokens, 5] = (torch.finfo(x.dtype).tiny * torch.linspace(-0.99, 0.99, tokens)).to(x.dtype)
-    x[:tokens, 9] = 0.0
-    return x
-
-
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("counts", [[5, 0, 130, 1, 0, 64], [0, 0, 0, 17], [128, 128], [300]])
 def test_quantize_fp8_cols_ragged(device, dtype, counts):
-    x = _column_hard_cases(hard_input(sum(counts), 256, dtype, seed=sum(counts), device=device))
+    x = column_hard_cases(hard_input(sum(counts), 256, dtype, seed=sum(counts), device=device))
     tokens_per_expert = torch.tensor(counts, dtype=torch.int32, device=device)
     assert_same_fp8(mf.quantize_fp8_cols(x, tokens_per_expert), ref.quantize_fp8_cols(x, counts))
 

@@ -2,13 +2,21 @@
 against the reference at 16384 x 7168, and the scale layouts fed to a real
 torch.nn.functional.scaled_mm on SM90 against a float64 product."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
+from megatron_fp4.kernels import fp8_quantize, fp8_quantize_cols, fp8_quantize_weight
 
 from support.inputs import assert_same_bits, assert_same_fp8, assert_same_mxfp4, hard_input
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ is a folder of the repository
+
+from benchmarks.common import ragged_counts  # noqa: E402  (random expert sizes, a quarter empty)
 
 pytestmark = pytest.mark.gpu
 
@@ -18,16 +26,6 @@ TOKENS, HIDDEN = 16384, 7168
 @pytest.fixture(scope="module")
 def activations() -> torch.Tensor:
     return hard_input(TOKENS, HIDDEN, torch.bfloat16, seed=2024, device="cuda")
-
-
-def ragged_counts(tokens: int, experts: int, seed: int) -> torch.Tensor:
-    """Random expert sizes summing to tokens, a quarter of the experts empty."""
-    g = torch.Generator().manual_seed(seed)
-    weights = torch.rand(experts, generator=g)
-    weights[torch.randperm(experts, generator=g)[: experts // 4]] = 0
-    counts = torch.floor(weights / weights.sum() * tokens).long()
-    counts[int(torch.argmax(weights))] += tokens - int(counts.sum())
-    return counts
 
 
 @pytest.mark.parametrize("scale_rule", ["ceil", "floor"])
@@ -63,6 +61,29 @@ def test_fp8_rows_large(activations):
     t = mf.quantize_fp8_rows(activations)
     assert_same_fp8(t, ref.quantize_fp8_rows(activations))
     assert_same_bits(mf.dequantize_fp8(t), ref.dequantize_fp8(t))
+
+
+@pytest.mark.parametrize("config", fp8_quantize.CONFIGS, ids=str)
+def test_fp8_rows_large_every_config(activations, config):
+    """Every candidate the benchmark sweeps, compiled, at full size (the CPU tests run them under
+    the interpreter, which does not show what the compiler does with the fp32 rounding add)."""
+    assert_same_fp8(mf.quantize_fp8_rows(activations, config), ref.quantize_fp8_rows(activations))
+
+
+@pytest.mark.parametrize("config", fp8_quantize_cols.CONFIGS, ids=str)
+def test_fp8_cols_large_ragged_every_config(activations, config):
+    counts = ragged_counts(TOKENS, 32, seed=6)
+    got = mf.quantize_fp8_cols(activations, counts.cuda(), config=config)
+    assert_same_fp8(got, ref.quantize_fp8_cols(activations, counts.tolist()))
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("config", fp8_quantize_weight.CONFIGS, ids=str)
+def test_fp8_weight_large_every_config(activations, config, transpose):
+    got = mf.quantize_fp8_weight(activations, transpose=transpose, config=config)
+    expected = ref.quantize_fp8_weight(activations, transpose=transpose)
+    assert_same_bits(got.data, expected.data)
+    assert_same_bits(got.block_scales, expected.block_scales)
 
 
 def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:

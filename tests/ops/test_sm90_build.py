@@ -23,6 +23,17 @@ def test_kernels_compile_for_hopper():
     assert expected == 3 * 11 and result.stdout.count("sm_90 ok:") == expected
 
 
+def test_quantizer_candidates_compile_for_hopper():
+    """Every tile config bench_quantizers sweeps compiles, without spills, before it costs GPU time."""
+    from megatron_fp4.kernels.sm90_build import candidate_specs
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "megatron_fp4.kernels.sm90_build", "--candidates"], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.count("sm_90 ok:") == len(candidate_specs())
+
+
 def _launched_kernels(path: Path):
     """(module, name) of each @triton.jit function the file launches with a grid: `name[grid](...)`."""
     tree = ast.parse(path.read_text())

@@ -36,6 +36,16 @@ def hard_input(rows: int, cols: int, dtype: torch.dtype, seed: int, device="cpu"
     return x.to(dtype).to(device)
 
 
+def column_hard_cases(x: torch.Tensor) -> torch.Tensor:
+    """Plant along tokens what hard_input plants along hidden: a 2^20 range, subnormals and zeros
+    inside one 128-token block of one column (the cols quantizer's groups run along tokens)."""
+    tokens = min(128, x.shape[0])
+    x[:tokens, 3] = (torch.exp2(torch.linspace(-10, 10, tokens)) * torch.where(torch.arange(tokens) % 3 == 0, -1.0, 1.0)).to(x.dtype)
+    x[:tokens, 5] = (torch.finfo(x.dtype).tiny * torch.linspace(-0.99, 0.99, tokens)).to(x.dtype)
+    x[:tokens, 9] = 0.0
+    return x
+
+
 def every_code_at_every_gap(top_byte: int, max_gap: int) -> MXFP4Tensor:
     """One 128-wide group per (gap, sign), gap 0..max_gap: block 0 holds code 7 at byte top_byte,
     block 1 the eight E2M1 codes of that sign (four times each) at top_byte - gap, blocks 2-3 are
