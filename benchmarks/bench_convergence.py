@@ -97,6 +97,9 @@ def _catalogue() -> Dict[str, Run]:
     runs += [Run("bf16_repeat", "bf16", first),  # the kernels' nondeterminism
              Run("bf16_init2", "bf16", second, data_seed=first)]  # another init, the same data order
     runs += [Run(name, name, first) for name in ("fp4_dispatch", "fp4_dispatch_experts", "fp4_dispatch_experts_linears")]
+    # The FP8 linears by role: attention, or the dense MLP and shared expert, left to BF16.
+    runs += [Run(f"{precision}_bf16_{role}", f"{precision}_bf16_{role}", first)
+             for precision in ("fp8", "fp4") for role in ("attention", "mlps")]
     return {run.name: run for run in runs}
 
 

@@ -11,7 +11,7 @@ import argparse
 import enum
 import re
 from dataclasses import dataclass, fields
-from typing import Callable, Optional, Tuple
+from typing import Callable, FrozenSet, Optional, Tuple
 
 from .formats import FP8_BLOCK, ScaleRule
 
@@ -33,6 +33,16 @@ class ExpertsPrecision(enum.StrEnum):
 class LinearsPrecision(enum.StrEnum):
     BF16 = "bf16"  # Megatron's own linear layers
     FP8 = "fp8"  # ours (megatron_fp4.linears): FP8 blockwise GEMMs outside the routed experts
+
+
+class LinearRole(enum.StrEnum):
+    """Where a linear layer outside the routed experts sits; the names of Megatron's selective
+    recompute modules, which --moe-fp4-bf16-linears also takes."""
+
+    ATTENTION = "attention"  # q/kv down-projections, qkv, output projection: no selective recompute
+    MLA_UP_PROJECTION = "mla_up_proj"  # MLA's q and kv up-projections
+    DENSE_MLP = "mlp"
+    SHARED_EXPERTS = "shared_experts"
 
 
 class Storage(enum.StrEnum):
@@ -66,6 +76,7 @@ class FP4Options:
     weights_per_use: bool = False
     linears: LinearsPrecision = LinearsPrecision.BF16
     storage: Storage = Storage.EXPERTS
+    bf16_linears: FrozenSet[LinearRole] = frozenset()  # roles --moe-fp4-linears fp8 leaves to Megatron
     fused_attention: bool = False
 
     def __post_init__(self):
@@ -75,6 +86,7 @@ class FP4Options:
         object.__setattr__(self, "experts", ExpertsPrecision(self.experts))
         object.__setattr__(self, "linears", LinearsPrecision(self.linears))
         object.__setattr__(self, "storage", Storage(self.storage))
+        object.__setattr__(self, "bf16_linears", frozenset(LinearRole(r) for r in self.bf16_linears))
 
     @property
     def active(self) -> bool:
@@ -86,6 +98,10 @@ class FP4Options:
         """Whether the plugin builds parts of the MoE layers (the FP8 linears and the fused attention,
         which also serve dense layers, alone do not)."""
         return self.dispatch or self.experts is ExpertsPrecision.FP8
+
+    def fp8_linear(self, role: LinearRole) -> bool:
+        """Whether the linear layers of `role` are ours (FP8) rather than Megatron's."""
+        return self.linears is LinearsPrecision.FP8 and role not in self.bf16_linears
 
     @classmethod
     def from_args(cls, args) -> "FP4Options":
@@ -106,6 +122,7 @@ class Flag:
     field: str  # FP4Options' field
     help: str
     choices: Optional[type] = None  # the enum, for valued flags
+    many: bool = False  # a list of choices (nargs "+"), an FP4Options frozenset
 
     @property
     def attribute(self) -> str:
@@ -160,6 +177,11 @@ FLAGS = (
          "Modules that Megatron recomputes "
          "(--recompute-modules mla_up_proj, mlp, shared_experts, moe, or full recompute) keep FP8 / BF16 there: "
          "nothing inside a recomputation is stored in FP4.", Storage),
+    Flag("bf16_linears", "With --moe-fp4-linears fp8: the roles whose linear layers stay Megatron's own BF16 ones "
+         "(attention: the qkv or MLA q/kv down-projections and the output projection; mla_up_proj: MLA's q and kv "
+         "up-projections; mlp: the dense MLP; shared_experts), with their inputs and SwiGLU inputs saved in BF16 "
+         "as Megatron saves them, also under --moe-fp4-storage all. Default: none, every role FP8.",
+         LinearRole, many=True),
     Flag("weights_per_use", "With --moe-fp4-experts fp8 or --moe-fp4-linears fp8: quantize the weights to FP8 at "
          "every use instead of once per optimizer step. The default keeps two FP8 copies (plain and transposed, "
          "128x128 blocks) of each FP8 layer's weight from the step's first forward to the next step's, about 2 bytes per "
@@ -180,6 +202,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for flag in FLAGS:
         if flag.choices is None:
             group.add_argument(flag.option, action="store_true", help=flag.help)
+        elif flag.many:
+            group.add_argument(flag.option, nargs="+", choices=[c.value for c in flag.choices], default=[],
+                               metavar="{" + ",".join(c.value for c in flag.choices) + "}", help=flag.help)
         else:
             group.add_argument(flag.option, choices=[c.value for c in flag.choices], default=flag.default.value,
                                help=flag.help + f" Default: {flag.default.value}.")
@@ -357,6 +382,14 @@ REFUSALS = (
             lambda o, m, e, r: o.saved_input and _fp8_experts(o),
             "--moe-fp4-saved-input is for Megatron's BF16 experts; --moe-fp4-experts fp8 already keeps its saved "
             "input in FP4: drop --moe-fp4-saved-input."),
+    Refusal("--moe-fp4-bf16-linears without FP8 linears",
+            lambda o, m, e, r: o.bf16_linears and not _fp8_linears(o),
+            "--moe-fp4-bf16-linears picks roles to keep out of --moe-fp4-linears fp8: add --moe-fp4-linears fp8 or "
+            "drop it."),
+    Refusal("--moe-fp4-bf16-linears naming every role",
+            lambda o, m, e, r: o.bf16_linears == frozenset(LinearRole),
+            "--moe-fp4-bf16-linears names every role, which leaves no FP8 linear layer: drop --moe-fp4-linears fp8 "
+            "and --moe-fp4-bf16-linears instead."),
     Refusal("--moe-fp4-storage all without FP8 linears and FP8 experts",
             lambda o, m, e, r: o.storage is Storage.ALL and not (_fp8_linears(o) and _fp8_experts(o)),
             "--moe-fp4-storage all is the paper's whole recipe: it needs --moe-fp4-linears fp8 and "
@@ -557,8 +590,9 @@ def usage_markdown() -> str:
     """The flags and refusals tables of docs/usage.md."""
     lines = ["| flag | default | what it does |", "| --- | --- | --- |"]
     for flag in FLAGS:
-        default = "off" if flag.choices is None else f"`{flag.default.value}`"
-        choices = "" if flag.choices is None else " {" + ",".join(c.value for c in flag.choices) + "}"
+        default = "off" if flag.choices is None else "none" if flag.many else f"`{flag.default.value}`"
+        choices = "" if flag.choices is None else " {" + ",".join(c.value for c in flag.choices) + "}" + (
+            " ..." if flag.many else "")
         lines.append(f"| `{flag.option}`{choices} | {default} | {flag.help} |")
     lines += ["", "| refused | message |", "| --- | --- |"]
     for refusal in REFUSALS:

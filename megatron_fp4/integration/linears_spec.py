@@ -13,8 +13,8 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSub
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from ..linears import LinearRole, build_fp8_mlp, build_fp8_shared_experts, fp8_mlp_submodules, linear_spec
-from ..options import FP4Options, LinearsPrecision, UnsupportedConfiguration
+from ..linears import build_fp8_mlp, build_fp8_shared_experts, fp8_mlp_submodules, linear_spec
+from ..options import FP4Options, LinearRole, LinearsPrecision, UnsupportedConfiguration
 from .spec_tree import rewrite_spec
 
 _ATTENTION = LinearRole.ATTENTION
@@ -53,8 +53,8 @@ def _refuse(what: str, node) -> None:
 
 
 def use_fp8_linears(spec, options: FP4Options):
-    """`spec` with FP8 linear layers outside the routed experts when options.linears is fp8;
-    otherwise the same object."""
+    """`spec` with FP8 linear layers outside the routed experts when options.linears is fp8 (but
+    for the roles in options.bf16_linears); otherwise the same object."""
     if options.linears is not LinearsPrecision.FP8 or spec is None:
         return spec
 
@@ -65,7 +65,7 @@ def use_fp8_linears(spec, options: FP4Options):
                 _refuse("MLA projections (separate q and kv down-projections)", node.linear_qkv_down_proj)
             for name, (column, role) in linears.items():
                 current = getattr(node, name)
-                if current is None:
+                if current is None or not options.fp8_linear(role):
                     continue
                 local = ColumnParallelLinear if column else RowParallelLinear
                 params = _local_linear_params(current, local)
@@ -74,13 +74,15 @@ def use_fp8_linears(spec, options: FP4Options):
                     _refuse(f"attention projections ({name})", current)
                 fp8 = linear_spec(column, options, role)
                 object.__setattr__(node, name, dataclasses.replace(fp8, params={**params, **fp8.params}))
-        elif isinstance(node, TransformerLayerSubmodules) and not _is_moe(node.mlp):
+        elif (isinstance(node, TransformerLayerSubmodules) and not _is_moe(node.mlp)
+              and options.fp8_linear(LinearRole.DENSE_MLP)):
             if _builds_mlp(node.mlp):
                 node.mlp = functools.partial(build_fp8_mlp, options=options,
                                              submodules=fp8_mlp_submodules(options, LinearRole.DENSE_MLP))
             elif _has_linears(node.mlp):
                 _refuse("MLP", node.mlp)
-        elif isinstance(node, MoESubmodules) and node.shared_experts is not None:
+        elif (isinstance(node, MoESubmodules) and node.shared_experts is not None
+              and options.fp8_linear(LinearRole.SHARED_EXPERTS)):
             if not _builds_shared_experts(node.shared_experts):
                 _refuse("shared experts", node.shared_experts)
             node.shared_experts = functools.partial(

@@ -8,7 +8,6 @@ it (--recompute-modules), and a recomputed layer keeps its input in FP8 even und
 """
 
 import copy
-import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,18 +16,9 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from ..experts.weight_cache import FP8WeightCache
 from ..formats import FP8_BLOCK
-from ..options import FP4Options, LinearsPrecision, ModelSettings, Route, Storage, UnsupportedConfiguration, validate
+from ..options import FP4Options, LinearRole, ModelSettings, Route, Storage, UnsupportedConfiguration, validate
 from ..recompute_scope import recomputed_by
 from .function import FP8LinearFunction, LinearCall, SavedInput
-
-
-class LinearRole(enum.Enum):
-    """Where a linear layer sits, as Megatron's selective recompute names it."""
-
-    ATTENTION = "attention"  # q/kv down-projections, qkv, output projection: no selective recompute
-    MLA_UP_PROJECTION = "mla_up_proj"  # MLA's q and kv up-projections
-    DENSE_MLP = "mlp"
-    SHARED_EXPERTS = "shared_experts"
 
 
 # Selective-recompute modules that re-run a role's layers (`moe` checkpoints the whole MoE layer,
@@ -77,8 +67,9 @@ class _FP8Settings:
 
     @classmethod
     def of(cls, options: FP4Options, role: LinearRole, config) -> "_FP8Settings":
-        if options.linears is not LinearsPrecision.FP8:
-            raise ValueError("an FP8 linear layer was built without --moe-fp4-linears fp8")
+        if not options.fp8_linear(role):
+            raise ValueError(f"an FP8 linear layer ({role.value}) was built without --moe-fp4-linears fp8 or with "
+                             "its role in --moe-fp4-bf16-linears")
         validate(options, ModelSettings.from_config(config), None, Route.PLUGIN)
         return cls(saved_input(options, role, config), options.scale_rule.value,
                    bool(config.gradient_accumulation_fusion), None if options.weights_per_use else FP8WeightCache())

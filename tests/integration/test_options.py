@@ -10,6 +10,7 @@ from megatron_fp4.options import (
     ExpertsPrecision,
     FP4Options,
     GradFormat,
+    LinearRole,
     ModelSettings,
     Route,
     ScaleRule,
@@ -297,3 +298,25 @@ def test_fused_attention_flag_parses_touches_the_model_and_serves_dense_models()
 def test_fused_attention_refusals(overrides, route, message):
     with pytest.raises(UnsupportedConfiguration, match=message):
         _check(_fused_attention(**overrides), route=route)
+
+
+def _fp8_linears(**overrides):
+    settings = dict(moe_fp4_dispatch=False, moe_fp4_linears="fp8", transformer_impl="local", add_bias_linear=False,
+                    tensor_model_parallel_size=1)
+    return _config(**{**settings, **overrides})
+
+
+def test_bf16_linears_flag_parses_and_needs_fp8_linears_with_a_role_left():
+    args = _parse(["--moe-fp4-linears", "fp8", "--moe-fp4-bf16-linears", "attention", "mlp"])
+    assert FP4Options.from_args(args).bf16_linears == {LinearRole.ATTENTION, LinearRole.DENSE_MLP}
+    assert _parse([]).moe_fp4_bf16_linears == [] and FP4Options().bf16_linears == frozenset()
+    with pytest.raises(SystemExit):
+        _parse(["--moe-fp4-bf16-linears", "experts"])
+    options = FP4Options(linears="fp8", bf16_linears=["attention"])
+    assert not options.fp8_linear(LinearRole.ATTENTION) and options.fp8_linear(LinearRole.DENSE_MLP)
+    assert not FP4Options(bf16_linears=["mlp"]).fp8_linear(LinearRole.ATTENTION)
+    _check(_fp8_linears(moe_fp4_bf16_linears=["attention"]))
+    with pytest.raises(UnsupportedConfiguration, match="add --moe-fp4-linears fp8"):
+        _check(_fp8_linears(moe_fp4_linears="bf16", moe_fp4_bf16_linears=["attention"]))
+    with pytest.raises(UnsupportedConfiguration, match="names every role"):
+        _check(_fp8_linears(moe_fp4_bf16_linears=[r.value for r in LinearRole]))
