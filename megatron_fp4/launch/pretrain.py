@@ -13,7 +13,8 @@ from .gpt import forward_step, model_provider, train_valid_test_datasets_provide
 from .memory_cap import apply_memory_cap
 from .refusal import check_args
 from .telemetry_log import install as install_telemetry_log
-from .workarounds import full_validation_of_one_set, use_prebuilt_dataset_helpers
+from .workarounds import (full_validation_of_one_set, recompute_without_output_without_transformer_engine,
+                          use_prebuilt_dataset_helpers)
 
 
 def main():
@@ -25,6 +26,7 @@ def main():
 
     use_prebuilt_dataset_helpers()
     full_validation_of_one_set()
+    recompute_without_output_without_transformer_engine()
     with warnings.catch_warnings():  # it recommends a model config; we pass a model provider
         warnings.simplefilter("ignore")
         cfg = pretrain_cfg_container_from_args(args)

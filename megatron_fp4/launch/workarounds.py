@@ -56,3 +56,25 @@ def full_validation_of_one_set() -> None:
 
     evaluate_with_listed_eval_iters.listed_eval_iters = True
     training.evaluate_and_print_results = evaluate_with_listed_eval_iters
+
+
+def recompute_without_output_without_transformer_engine() -> None:
+    """Megatron 0.19.2's CheckpointWithoutOutput (--recompute-modules layernorm and moe_act, MLA's
+    up-projection recompute) sets `self.fp8 = fp8 is not None`, true for its default fp8=False, and
+    then asks Transformer Engine's FP8GlobalStateManager in forward: a NameError when Transformer
+    Engine is not installed, for BF16 runs too. Without Transformer Engine there is no FP8 autocast
+    state to carry into the recompute, so build those checkpoints with fp8 off."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    checkpoint = megatron_random.CheckpointWithoutOutput
+    if megatron_random.HAVE_TE or getattr(checkpoint.__init__, "fp8_off_without_te", False):
+        return
+    init = checkpoint.__init__
+
+    @functools.wraps(init)
+    def init_with_fp8_off(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    init_with_fp8_off.fp8_off_without_te = True
+    checkpoint.__init__ = init_with_fp8_off
