@@ -9,23 +9,30 @@ BF16 tensor (`set_save_original_input`: the attention output projection, and the
 recomputed LayerNorm). Routed experts see k*T rows per GPU (balanced routing: each GPU receives
 on average what it sends). Dropout is 0 in these configs, so no masks are kept.
 
-Our FP8 linears (--moe-fp4-linears fp8: attention projections, dense MLP, shared experts) keep
-only their own copy of their input: FP8 1x128 (1 byte + one fp32 scale per 128 elements), or MXFP4
-(K/2 + K/32 bytes per row) under --moe-fp4-storage all, which also keeps the dense-MLP and shared-
-expert SwiGLU inputs in MXFP4; a recomputed module (Megatron's recompute, `storage_rc`) keeps FP8 /
-BF16 there, so what its recompute restores in backward is counted in those formats.
+Our FP8 linears (--moe-fp4-linears fp8: attention projections, MLA up-projections, dense MLP,
+shared experts) keep only their own copy of their input: FP8 1x128 (1 byte + one fp32 scale per 128
+elements), or MXFP4 (K/2 + K/32 bytes per row) under --moe-fp4-storage all, which also keeps the
+dense-MLP and shared-expert SwiGLU inputs in MXFP4; a recomputed module (Megatron's recompute,
+`storage_rc`) keeps FP8 / BF16 there, so what its recompute restores in backward is counted in those
+formats. Each tensor asks whether its own role is FP8 (Precision.fp8_linear): a role
+--moe-fp4-bf16-linears names is Megatron's linears, saving what they save without our linears
+(BF16 inputs and SwiGLU input, also under --moe-fp4-storage all).
 
 Each function returns {component: bytes}; `recompute` drops what Megatron recomputes.
 """
 
 from dataclasses import dataclass
 
+from ..options import LinearRole
 from .params import fp8_linear_copy_elements, fp8_linear_shapes
 from .precision import FP8_1X128_BYTES, FP8_128X128_BYTES, MXFP4_BYTES, Precision
 from .recompute import NONE, Recompute
 from .shapes import DENSE, MOE, ModelShape, Parallel
 
-ATTENTION = "self_attention"  # the attention projections outside mla_up_proj (only full recompute covers them)
+ATTENTION = LinearRole.ATTENTION  # the projections outside mla_up_proj (only full recompute covers them)
+MLA_UP = LinearRole.MLA_UP_PROJECTION
+MLP = LinearRole.DENSE_MLP
+SHARED = LinearRole.SHARED_EXPERTS
 
 
 @dataclass(frozen=True)
@@ -51,26 +58,27 @@ class Ctx:
         return Ctx(self.s, self.par, self.p, rc, self.tokens, self.rope, self.softmax_fp32, self.ce_bytes, self.bias,
                    self.storage_rc or self.rc)
 
-    def fp4_stored(self, module: str) -> bool:
-        """Whether `module`'s linear inputs and SwiGLU input are kept in MXFP4 (--moe-fp4-storage all):
-        not inside a recomputation (`moe` recompute covers the shared experts too)."""
+    def fp4_stored(self, role: LinearRole) -> bool:
+        """Whether `role`'s linear inputs and SwiGLU input are kept in MXFP4 (--moe-fp4-storage all,
+        which only our FP8 linears do): not inside a recomputation (the role names its selective
+        recompute module; `moe` recompute covers the shared experts too)."""
         rc = self.storage_rc or self.rc
-        if not self.p.fp4_storage_all or rc.granularity == "full":
+        if not (self.p.fp4_storage_all and self.p.fp8_linear(role)) or rc.granularity == "full":
             return False
-        return module not in rc and not (module == "shared_experts" and "moe" in rc)
+        return role not in rc and not (role == SHARED and "moe" in rc)
 
-    def linear_input(self, module: str) -> float:
-        """Bytes per element our FP8 linear of `module` keeps of its input."""
-        return MXFP4_BYTES if self.fp4_stored(module) else FP8_1X128_BYTES
+    def linear_input(self, role: LinearRole) -> float:
+        """Bytes per element our FP8 linear of `role` keeps of its input."""
+        return MXFP4_BYTES if self.fp4_stored(role) else FP8_1X128_BYTES
 
-    def swiglu_input(self, module: str) -> float:
+    def swiglu_input(self, role: LinearRole) -> float:
         """Bytes per element of the dense-MLP / shared-expert SwiGLU input (the fc1 output)."""
-        return MXFP4_BYTES if self.s.swiglu and self.fp4_stored(module) else self.p.model_bytes
+        return MXFP4_BYTES if self.s.swiglu and self.fp4_stored(role) else self.p.model_bytes
 
-    def fc2_input(self, module: str) -> float:
+    def fc2_input(self, role: LinearRole) -> float:
         """Bytes per element fc2 of the dense MLP / shared experts keeps of its input."""
-        if self.p.fp8_linears:
-            return self.linear_input(module)
+        if self.p.fp8_linear(role):
+            return self.linear_input(role)
         return self.p.gemm_input_bytes
 
 
@@ -95,7 +103,7 @@ def _output_projection_input(c: Ctx, attention: dict, features: float) -> dict:
     which Megatron also requires for FP8 with `layernorm` recompute), so nothing is added then.
     Our FP8 linear keeps its own FP8 / MXFP4 copy in any case.
     """
-    if c.p.fp8_linears:
+    if c.p.fp8_linear(ATTENTION):
         return {"proj_in": c.tokens * features * c.linear_input(ATTENTION)}
     saves_original = not c.p.fp8 or (c.s.te and c.p.fp8_recipe != "delayed")
     if saves_original and "attn_out_bf16" in attention:
@@ -108,7 +116,7 @@ def standard_attention(c: Ctx) -> dict:
     s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
     heads, groups, d = s.heads / tp, s.query_groups / tp, s.head_dim
     out = {"layer_input": c.resid * s.hidden * mb}
-    if c.p.fp8_linears:  # its own copy, whether the layernorm is recomputed or not
+    if c.p.fp8_linear(ATTENTION):  # its own copy, whether the layernorm is recomputed or not
         out["qkv_in"] = c.resid * s.hidden * c.linear_input(ATTENTION)
     elif s.te:  # input layernorm fused into the QKV GEMM: it keeps its LN output itself
         out["qkv_in"] = c.resid * s.hidden * c.p.gemm_input_bytes
@@ -135,19 +143,20 @@ def mla_attention(c: Ctx) -> dict:
     heads = s.heads / tp
     q_head = s.qk_head_dim + s.qk_rope_dim
     out = {"layer_input": c.resid * s.hidden * mb}
-    if c.p.fp8_linears:  # the q and kv down-projections' own copies, whether the layernorm is recomputed or not
+    if c.p.fp8_linear(ATTENTION):  # the q and kv down-projections' own copies, layernorm recomputed or not
         out["down_in"] = 2 * c.resid * s.hidden * c.linear_input(ATTENTION)
     elif "layernorm" not in c.rc:  # input layernorm output, read by the q and kv down-projections
         out["down_in"] = c.resid * s.hidden * (2 * c.p.fp8_act_bytes if c.p.fp8 else mb)
     compressed = T * ((s.q_lora_rank or 0) + s.kv_lora_rank + s.qk_rope_dim) * mb
-    up = "mla_up_proj" not in c.rc
-    own_copies = c.p.fp8 or c.p.fp8_linears  # the up-projections keep their own FP8 / MXFP4 inputs
+    up = MLA_UP not in c.rc
+    ours = c.p.fp8_linear(MLA_UP)
+    own_copies = c.p.fp8 or ours  # the up-projections keep their own FP8 / MXFP4 inputs
     if s.qk_layernorm or not up or not own_copies:
         # the up-projections' input (or their LayerNorms' input, or the recompute's checkpoint input)
         out["q_kv_compressed"] = compressed
     if up:
         if s.qk_layernorm or own_copies:  # LayerNorm outputs, or the FP8 GEMMs' own copies of their inputs
-            per = c.linear_input("mla_up_proj") if c.p.fp8_linears else c.p.gemm_input_bytes
+            per = c.linear_input(MLA_UP) if ours else c.p.gemm_input_bytes
             out["up_in"] = T * ((s.q_lora_rank or 0) + s.kv_lora_rank) * per
         out["q"] = T * heads * q_head * mb
         out["k"] = T * heads * q_head * mb
@@ -161,17 +170,18 @@ def dense_mlp(c: Ctx) -> dict:
     s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
     ffn = s.ffn_hidden / tp
     out = {"mlp_input": c.resid * s.hidden * mb}
-    recompute = "mlp" in c.rc
-    if c.p.fp8_linears and not recompute:  # fc1's own copy, whether the layernorm is recomputed or not
-        out["fc1_in"] = c.resid * s.hidden * c.linear_input("mlp")
-    elif s.te and not c.p.fp8_linears:  # pre-MLP layernorm fused into fc1: fc1 keeps the LN output
+    recompute = MLP in c.rc
+    ours = c.p.fp8_linear(MLP)
+    if ours and not recompute:  # fc1's own copy, whether the layernorm is recomputed or not
+        out["fc1_in"] = c.resid * s.hidden * c.linear_input(MLP)
+    elif s.te and not ours:  # pre-MLP layernorm fused into fc1: fc1 keeps the LN output
         if not recompute:
             out["fc1_in"] = c.resid * s.hidden * c.p.gemm_input_bytes
     elif "layernorm" not in c.rc:
         out["fc1_in"] = c.resid * s.hidden * mb  # also the mlp checkpoint's input
     if not recompute:
-        out["fc1_out"] = T * s.fc1_factor * ffn * c.swiglu_input("mlp")
-        out["fc2_in"] = T * ffn * c.fc2_input("mlp")
+        out["fc1_out"] = T * s.fc1_factor * ffn * c.swiglu_input(MLP)
+        out["fc2_in"] = T * ffn * c.fc2_input(MLP)
     return out
 
 
@@ -196,14 +206,14 @@ def moe_mlp(c: Ctx) -> dict:
         out["router_in"] = c.resid * h * mb  # the router (and a BF16 shared expert) keep the LN output
     out["router"] = c.tokens * s.experts * 9  # fp32 scores for routing and for the aux loss, bool map
     out["routing_indices"] = rows * 8
-    if s.shared_ffn_hidden and "shared_experts" not in c.rc:
+    if s.shared_ffn_hidden and SHARED not in c.rc:
         fs = s.shared_ffn_hidden / tp
-        if p.fp8_linears:  # its own copy, whether the layernorm is recomputed or not
-            out["shared_fc1_in"] = c.resid * h * c.linear_input("shared_experts")
+        if p.fp8_linear(SHARED):  # its own copy, whether the layernorm is recomputed or not
+            out["shared_fc1_in"] = c.resid * h * c.linear_input(SHARED)
         elif p.fp8 and not ln_dropped:
             out["shared_fc1_in"] = c.resid * h * p.fp8_act_bytes
-        out["shared_fc1_out"] = c.tokens * s.fc1_factor * fs * c.swiglu_input("shared_experts")
-        out["shared_fc2_in"] = c.tokens * fs * c.fc2_input("shared_experts")
+        out["shared_fc1_out"] = c.tokens * s.fc1_factor * fs * c.swiglu_input(SHARED)
+        out["shared_fc2_in"] = c.tokens * fs * c.fc2_input(SHARED)
     fm = s.moe_ffn_hidden / c.par.etp
     # Our FP8 experts keep their SwiGLU and fc2 inputs in MXFP4, except inside a recomputation (the
     # whole MoE layer's or full): there a BF16 SwiGLU input and FP8 columns of the fc2 input.
@@ -267,6 +277,7 @@ def backward_working_set(c: Ctx, kind: str) -> float:
         if c.p.weights_per_use and c.p.fp8_experts:  # all local experts' fc1 weights in FP8 at once (one launch)
             local_experts = c.s.experts / c.par.local_experts_divisor
             extra = local_experts * c.s.fc1_factor * c.s.moe_ffn_hidden * c.s.hidden * FP8_128X128_BYTES
-    if c.p.weights_per_use and c.p.fp8_linears:  # one linear's FP8 weight at a time
-        extra = max(extra, max(fp8_linear_copy_elements(x) for x in fp8_linear_shapes(c.s, kind)) * FP8_128X128_BYTES)
+    if c.p.weights_per_use:  # one FP8 linear's weight at a time (the FP8 roles' largest; none: 0)
+        shapes = fp8_linear_shapes(c.s, kind, c.p.fp8_linear_roles)
+        extra = max(extra, max(map(fp8_linear_copy_elements, shapes), default=0) * FP8_128X128_BYTES)
     return sum(full.values()) - sum(saved.values()) + 2 * largest + extra

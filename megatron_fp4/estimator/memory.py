@@ -98,7 +98,7 @@ def rank_memory(args, c: act.Ctx, rank: int, workspace: float) -> RankMemory:
         chunk_bytes, par.pp, rank, microbatches_per_step(s, par),
         getattr(args, "microbatch_group_size_per_vp_stage", None) or par.pp,
         forward_extra=[e[0] for e in extras], backward_extra=[e[1] for e in extras])
-    counts = rank_params(s, par, rank, c.bias)
+    counts = rank_params(s, par, rank, c.bias, c.p.fp8_linear_roles)
     static = static_memory(args, counts, c.p, par.dp, par.edp, workspace)
     components: dict[str, float] = {}
     held_components: dict[str, float] = {}

@@ -8,12 +8,14 @@ add_bias_linear, RMSNorm has a weight, LayerNorm a weight and a bias.
 
 Our FP8 linears (--moe-fp4-linears fp8, TP 1) keep FP8 copies of their weights padded to multiples
 of 128 in both dimensions (MLA's kv down-projection: 576 output features -> 640):
-`fp8_linear_padded` counts those padded elements.
+`fp8_linear_padded` counts those padded elements, of the FP8 roles only (a role
+--moe-fp4-bf16-linears names is Megatron's BF16 linears, which hold no FP8 copy).
 """
 
 from dataclasses import dataclass
 
 from ..formats import FP8_BLOCK
+from ..options import LinearRole
 from .shapes import DENSE, EMBEDDING, LOSS, MOE, MTP, ModelShape, Parallel
 
 
@@ -23,7 +25,7 @@ class ParamCount:
     expert: float = 0.0  # routed-expert parameters: optimizer state sharded over expert-DP
     dense_gemm: float = 0.0  # of `dense`: weights of Transformer Engine GEMMs (FP8 copies under FP8)
     expert_gemm: float = 0.0
-    fp8_linear: float = 0.0  # of `dense_gemm`: weights of the linears --moe-fp4-linears fp8 replaces
+    fp8_linear: float = 0.0  # of `dense_gemm`: weights of the linears of the FP8 roles (ours)
     fp8_linear_padded: float = 0.0  # the same, padded to 128 x 128 blocks (their FP8 copies' elements)
 
     def __iadd__(self, other):
@@ -52,21 +54,29 @@ def _padded(n: int) -> int:
     return -(-n // FP8_BLOCK) * FP8_BLOCK
 
 
-def fp8_linear_shapes(s: ModelShape, kind: str) -> list[tuple[int, int]]:
-    """(output features, input features) of each linear of one decoder layer that our FP8 linears
-    replace (TP 1): the attention projections, the dense MLP's fc1 / fc2 or the shared experts'."""
+def linear_shapes_by_role(s: ModelShape, kind: str) -> dict[LinearRole, list[tuple[int, int]]]:
+    """(output features, input features) of each linear of one decoder layer our FP8 linears can
+    replace (TP 1), by role (megatron_fp4/integration/linears_spec.py): the attention projections,
+    MLA's up-projections, the dense MLP's fc1 / fc2 or the shared experts'."""
     h = s.hidden
+    out = {}
     if s.mla:
         q_head = s.qk_head_dim + s.qk_rope_dim
-        q = [(s.q_lora_rank, h), (s.heads * q_head, s.q_lora_rank)] if s.q_lora_rank else [(s.heads * q_head, h)]
-        out = q + [(s.kv_lora_rank + s.qk_rope_dim, h), (s.heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank),
-                   (h, s.heads * s.v_head_dim)]
+        q_down = [(s.q_lora_rank, h)] if s.q_lora_rank else [(s.heads * q_head, h)]  # or the one q projection
+        out[LinearRole.ATTENTION] = q_down + [(s.kv_lora_rank + s.qk_rope_dim, h), (h, s.heads * s.v_head_dim)]
+        q_up = [(s.heads * q_head, s.q_lora_rank)] if s.q_lora_rank else []
+        out[LinearRole.MLA_UP_PROJECTION] = q_up + [(s.heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank)]
     else:
-        out = [((s.heads + 2 * s.query_groups) * s.head_dim, h), (h, s.heads * s.head_dim)]
-    ffn = s.ffn_hidden if kind == DENSE else s.shared_ffn_hidden
+        out[LinearRole.ATTENTION] = [((s.heads + 2 * s.query_groups) * s.head_dim, h), (h, s.heads * s.head_dim)]
+    ffn, role = (s.ffn_hidden, LinearRole.DENSE_MLP) if kind == DENSE else (s.shared_ffn_hidden, LinearRole.SHARED_EXPERTS)
     if ffn:
-        out += [(s.fc1_factor * ffn, h), (h, ffn)]
+        out[role] = [(s.fc1_factor * ffn, h), (h, ffn)]
     return out
+
+
+def fp8_linear_shapes(s: ModelShape, kind: str, roles: frozenset) -> list[tuple[int, int]]:
+    """The shapes of linear_shapes_by_role of the FP8 `roles` only."""
+    return [shape for role, shapes in linear_shapes_by_role(s, kind).items() if role in roles for shape in shapes]
 
 
 def fp8_linear_copy_elements(shape: tuple[int, int]) -> int:
@@ -74,8 +84,8 @@ def fp8_linear_copy_elements(shape: tuple[int, int]) -> int:
     return _padded(shape[0]) * _padded(shape[1])
 
 
-def _fp8_linears(s: ModelShape, kind: str) -> ParamCount:
-    shapes = fp8_linear_shapes(s, kind)
+def _fp8_linears(s: ModelShape, kind: str, roles: frozenset) -> ParamCount:
+    shapes = fp8_linear_shapes(s, kind, roles)
     return ParamCount(fp8_linear=sum(n * k for n, k in shapes),
                       fp8_linear_padded=sum(fp8_linear_copy_elements(x) for x in shapes))
 
@@ -113,11 +123,11 @@ def mlp_params(h: int, ffn: int, factor: int, tp: int, bias: bool) -> ParamCount
     return out
 
 
-def layer_params(s: ModelShape, par: Parallel, kind: str, bias: bool) -> ParamCount:
+def layer_params(s: ModelShape, par: Parallel, kind: str, bias: bool, fp8_roles: frozenset) -> ParamCount:
     h = s.hidden
     out = attention_params(s, par.tp, bias)
     out += _plain(2 * h * s.norm_params)  # input and pre-MLP layer norms
-    out += _fp8_linears(s, kind)
+    out += _fp8_linears(s, kind, fp8_roles)
     if kind == DENSE:
         out += mlp_params(h, s.ffn_hidden, s.fc1_factor, par.tp, bias)
         return out
@@ -129,15 +139,16 @@ def layer_params(s: ModelShape, par: Parallel, kind: str, bias: bool) -> ParamCo
     return out
 
 
-def mtp_params(s: ModelShape, par: Parallel, bias: bool) -> ParamCount:
+def mtp_params(s: ModelShape, par: Parallel, bias: bool, fp8_roles: frozenset) -> ParamCount:
     out = _plain(3 * s.hidden * s.norm_params)  # enorm, hnorm, final layernorm
     out += _gemm(2 * s.hidden * s.hidden / par.tp)  # eh_proj
-    out += layer_params(s, par, MOE if s.mtp_is_moe else DENSE, bias)
+    out += layer_params(s, par, MOE if s.mtp_is_moe else DENSE, bias, fp8_roles)
     return out
 
 
-def rank_params(s: ModelShape, par: Parallel, rank: int, bias: bool) -> ParamCount:
-    """Parameters held by one GPU of pipeline rank `rank` (all its model chunks)."""
+def rank_params(s: ModelShape, par: Parallel, rank: int, bias: bool, fp8_roles: frozenset = frozenset()) -> ParamCount:
+    """Parameters held by one GPU of pipeline rank `rank` (all its model chunks); `fp8_roles`: the
+    linear roles whose weights our FP8 linears hold (ParamCount.fp8_linear)."""
     out = ParamCount()
     embedding = s.vocab * s.hidden / par.tp
     kinds = [kind for chunk in par.chunks[rank] for kind, _ in chunk]
@@ -145,9 +156,9 @@ def rank_params(s: ModelShape, par: Parallel, rank: int, bias: bool) -> ParamCou
         out += _plain(embedding)  # the MTP stage keeps its own copy of the word embeddings
     for kind in kinds:
         if kind in (DENSE, MOE):
-            out += layer_params(s, par, kind, bias)
+            out += layer_params(s, par, kind, bias, fp8_roles)
         elif kind == MTP:
-            out += mtp_params(s, par, bias)
+            out += mtp_params(s, par, bias, fp8_roles)
         elif kind == LOSS:
             out += _plain(s.hidden * s.norm_params)  # final layernorm
             if s.untied_embeddings or (EMBEDDING not in kinds and MTP not in kinds):

@@ -3,7 +3,8 @@
 - bf16: none of the switches below.
 - fp8: `fp8_format` set (Transformer Engine FP8 GEMMs, DeepSeek-style blockwise: 1x128 activation
   blocks, 128x128 weight blocks, fp32 scales), or our FP8 layers without the FP4 dispatch:
-  `moe_fp4_linears: fp8` (attention projections, dense MLP, shared experts) and / or
+  `moe_fp4_linears: fp8` (attention projections, MLA up-projections, dense MLP, shared experts,
+  less the roles `moe_fp4_bf16_linears` leaves to Megatron's BF16 linears) and / or
   `moe_fp4_experts: fp8` (routed experts; without a payload they quantize the BF16 dispatch and
   keep their three activations in BF16, as megatron_fp4/experts/function.py does). That is the
   FP8 baseline of configs/deepseek_v3_671b/fp8.yaml.
@@ -12,10 +13,11 @@
     sets: the routed tokens dispatched in MXFP4, our FP8 experts fed from the payload (their three
     activations in MXFP4), our FP8 linears with every saved input and the dense-MLP / shared-expert
     SwiGLU inputs in MXFP4 (`moe_fp4_storage: all`), FP8 weight copies cached for the step, and
-    under `moe` recompute the received payload cached (no second dispatch);
+    under `moe` recompute the received payload cached (no second dispatch); every linear role FP8
+    (`moe_fp4_bf16_linears` ignored);
   - "installed": what the config's flags switch on in this package (the flags above,
-    `moe_fp4_storage`, `moe_fp4_cache`, `moe_fp4_saved_input`, `moe_fp4_weights_per_use`). The
-    paper's FP4 configs set all of them, so there the two rows agree.
+    `moe_fp4_bf16_linears`, `moe_fp4_storage`, `moe_fp4_cache`, `moe_fp4_saved_input`,
+    `moe_fp4_weights_per_use`). The paper's FP4 configs set all of them, so there the two rows agree.
 """
 
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from ..formats import (
     MXFP4_BYTES_PER_ELEMENT as MXFP4_BYTES,
     MXFP8_BYTES_PER_ELEMENT as MXFP8_BYTES,
 )
+from ..options import FP4Options, LinearRole
 
 
 BYTES_OF_DTYPE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "torch.float32": 4, "torch.bfloat16": 2,
@@ -52,10 +55,12 @@ class Precision:
     # Our FP8 experts (--moe-fp4-experts fp8): fed from the payload they keep MXFP4 (fp4_experts);
     # without one (the FP8 baseline) their saved tokens, SwiGLU input and fc2 input are BF16.
     fp8_experts: bool = False
-    # Our FP8 linears (--moe-fp4-linears fp8): each keeps only its input, FP8 1x128 (or MXFP4 under
-    # fp4_storage_all outside recomputed modules).
-    fp8_linears: bool = False
-    fp4_storage_all: bool = False  # --moe-fp4-storage all: linear inputs and dense / shared SwiGLU inputs in MXFP4
+    # The roles whose linears are ours in FP8 (--moe-fp4-linears fp8 less --moe-fp4-bf16-linears): each
+    # keeps only its input, FP8 1x128 (or MXFP4 under fp4_storage_all outside recomputed modules). The
+    # other roles' linears are Megatron's (or Transformer Engine's under `fp8`), as without the flag.
+    fp8_linear_roles: frozenset = frozenset()
+    # --moe-fp4-storage all: the FP8 roles' linear inputs and dense / shared SwiGLU inputs in MXFP4
+    fp4_storage_all: bool = False
     # Our FP8 experts and linears keep two FP8 copies (128x128 blocks) of their weights for the step,
     # as Transformer Engine does, also in a run whose other GEMMs are BF16; with
     # --moe-fp4-weights-per-use they quantize them per use instead, one linear at a time.
@@ -66,6 +71,10 @@ class Precision:
         """What a GEMM of the baseline (Megatron's or Transformer Engine's) keeps of its input for
         the weight gradient."""
         return self.fp8_act_bytes if self.fp8 else self.model_bytes
+
+    def fp8_linear(self, role: LinearRole) -> bool:
+        """Whether the linears of `role` are ours in FP8."""
+        return role in self.fp8_linear_roles
 
 
 def _fp8_bytes(recipe: str) -> tuple:
@@ -80,12 +89,19 @@ def _switches(args, recipe: bool) -> dict:
     """Our flags as the memory model reads them; `recipe`: the paper's whole recipe instead."""
     if recipe:  # the payload cached where there is a `moe` recompute to replay it (as --moe-fp4-cache asks)
         moe_recompute = args.recompute_granularity == "selective" and "moe" in (args.recompute_modules or ())
-        return {"experts": "fp8", "linears": "fp8", "storage": "all", "cache": moe_recompute, "saved_input": False,
-                "weights_per_use": False}
+        return {"experts": "fp8", "linears": "fp8", "bf16_linears": (), "storage": "all", "cache": moe_recompute,
+                "saved_input": False, "weights_per_use": False}
     return {"experts": getattr(args, "moe_fp4_experts", "bf16"), "linears": getattr(args, "moe_fp4_linears", "bf16"),
+            "bf16_linears": getattr(args, "moe_fp4_bf16_linears", None) or (),
             "storage": getattr(args, "moe_fp4_storage", "experts"), "cache": bool(getattr(args, "moe_fp4_cache", False)),
             "saved_input": bool(getattr(args, "moe_fp4_saved_input", False)),
             "weights_per_use": bool(getattr(args, "moe_fp4_weights_per_use", False))}
+
+
+def _fp8_linear_roles(flags: dict) -> frozenset:
+    """The roles whose linears are ours in FP8, by the plugin's own rule (FP4Options.fp8_linear)."""
+    options = FP4Options(linears=flags["linears"], bf16_linears=flags["bf16_linears"])
+    return frozenset(role for role in LinearRole if options.fp8_linear(role))
 
 
 def precision_of(args, mode: str = "recipe") -> Precision:
@@ -99,7 +115,8 @@ def precision_of(args, mode: str = "recipe") -> Precision:
     act, weight = _fp8_bytes(recipe)
     flags = _switches(args, fp4 and mode == "recipe")
     ours_experts = flags["experts"] == "fp8"
-    ours_linears = flags["linears"] == "fp8"
+    fp8_linear_roles = _fp8_linear_roles(flags)
+    ours_linears = bool(fp8_linear_roles)
     # --moe-fp4-saved-input swaps the BF16 input slices Megatron's own experts save for the payload;
     # Transformer Engine's FP8 experts save their own FP8 copy, which it leaves alone.
     saved_input = flags["saved_input"] and not fp8
@@ -123,7 +140,7 @@ def precision_of(args, mode: str = "recipe") -> Precision:
         fp4_expert_input=fp4 and (ours_experts or saved_input),
         grad_wire=getattr(args, "moe_fp4_dispatch_grad", "bf16") if fp4 else "bf16",
         fp8_experts=ours_experts,
-        fp8_linears=ours_linears,
+        fp8_linear_roles=fp8_linear_roles,
         fp4_storage_all=ours_linears and flags["storage"] == "all",
         weights_per_use=(ours_experts or ours_linears) and flags["weights_per_use"],
     )

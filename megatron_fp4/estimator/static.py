@@ -7,7 +7,9 @@
   experts (`moe_fp4_experts: fp8`) and FP8 linears (`moe_fp4_linears: fp8`) keep the same two
   copies of their weights (W and W^T, 128x128 blocks, padded to multiples of 128), quantized at a
   step's first forward and held to the next step's, in a run without Transformer Engine too,
-  unless `moe_fp4_weights_per_use` (then they are transient: activations.py).
+  unless `moe_fp4_weights_per_use` (then they are transient: activations.py). Only the FP8 roles'
+  linears count (ParamCount.fp8_linear): a role `moe_fp4_bf16_linears` names keeps Megatron's
+  layers, with Transformer Engine's copies under FP8 as without our linears.
 - Gradients: Megatron's DDP accumulates and reduces main gradients in `main_grads_dtype` (fp32 for
   bf16 training: 4 bytes/param), one contiguous buffer.
 - Optimizer (Adam): an fp32 master copy (`main_params_dtype`) and the two moments (`exp_avg_dtype`,
@@ -52,17 +54,15 @@ def optimizer_bytes_per_param(args) -> float:
 
 def static_memory(args, counts: ParamCount, p: Precision, dp: int, edp: int, workspace: float = 0.0) -> Static:
     weights = counts.total * p.model_bytes
-    if p.fp8:  # Transformer Engine's GEMMs: those not replaced by ours
-        gemm = (counts.dense_gemm - (counts.fp8_linear if p.fp8_linears else 0)
-                + (0 if p.fp8_experts else counts.expert_gemm))
+    if p.fp8:  # Transformer Engine's GEMMs: those not replaced by ours (fp8_linear: the FP8 roles' only)
+        gemm = counts.dense_gemm - counts.fp8_linear + (0 if p.fp8_experts else counts.expert_gemm)
         if args.fp8_param_gather:
             weights -= gemm * p.model_bytes  # the FP8 copies are the parameters
         weights += 2 * gemm * p.fp8_weight_bytes
     if not p.weights_per_use:  # megatron_fp4/experts/weight_cache.py and the linears' own
         if p.fp8_experts:
             weights += 2 * counts.expert_gemm * FP8_128X128_BYTES
-        if p.fp8_linears:
-            weights += 2 * counts.fp8_linear_padded * FP8_128X128_BYTES
+        weights += 2 * counts.fp8_linear_padded * FP8_128X128_BYTES  # the FP8 roles' (none: 0)
     grads = counts.total * dtype_bytes(args.main_grads_dtype)
     per = optimizer_bytes_per_param(args)
     if args.use_distributed_optimizer:

@@ -109,6 +109,7 @@ def test_precision_modes():
     from types import SimpleNamespace
 
     from megatron_fp4.estimator.precision import precision_of
+    from megatron_fp4.options import LinearRole
 
     def args(**kw):
         base = {"fp8": None, "fp8_recipe": "delayed", "bf16": True, "fp16": False, "moe_fp4_dispatch": False,
@@ -120,12 +121,19 @@ def test_precision_modes():
     assert fp8.name == "fp8" and fp8.gemm_input_bytes == FP8_1X128_BYTES == 1.03125
     recipe = precision_of(args(fp8="e4m3", fp8_recipe="blockwise", moe_fp4_dispatch=True), "recipe")
     assert recipe.name == "fp4" and recipe.fp8 and recipe.fp4_experts and not recipe.fp4_cache
-    assert recipe.fp8_experts and recipe.fp8_linears and recipe.fp4_storage_all  # the paper's whole recipe
+    assert recipe.fp8_experts and recipe.fp8_linear_roles == set(LinearRole)  # the paper's whole recipe
+    assert recipe.fp4_storage_all
     assert precision_of(args(moe_fp4_dispatch=True, recompute_granularity="selective", recompute_modules=["moe"]),
                         "recipe").fp4_cache  # the payload cached for the `moe` recompute
     # Our FP8 layers without the FP4 dispatch: the FP8 baseline.
     baseline = precision_of(args(moe_fp4_linears="fp8", moe_fp4_experts="fp8"))
-    assert baseline.name == "fp8" and not baseline.fp8 and baseline.fp8_linears and not baseline.fp4_storage_all
+    assert baseline.name == "fp8" and not baseline.fp8 and not baseline.fp4_storage_all
+    assert baseline.fp8_linear_roles == set(LinearRole)
+    # --moe-fp4-bf16-linears: "installed" follows it, the recipe keeps every role FP8.
+    some_bf16 = args(moe_fp4_dispatch=True, moe_fp4_linears="fp8", moe_fp4_bf16_linears=["attention", "mlp"])
+    assert precision_of(some_bf16, "installed").fp8_linear_roles == {LinearRole.MLA_UP_PROJECTION,
+                                                                     LinearRole.SHARED_EXPERTS}
+    assert precision_of(some_bf16, "recipe").fp8_linear_roles == set(LinearRole)
     installed = precision_of(args(moe_fp4_dispatch=True), "installed")
     assert installed.fp4_dispatch and not installed.fp4_experts and not installed.fp4_cache
     assert precision_of(args(moe_fp4_dispatch=True, moe_fp4_cache=True), "installed").fp4_cache

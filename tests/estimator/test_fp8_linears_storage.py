@@ -1,17 +1,19 @@
 """The estimator's model of --moe-fp4-linears fp8 and --moe-fp4-storage all (DESIGN §7, issue 17):
 what our FP8 linears, the dense-MLP / shared-expert SwiGLUs and the FP8 experts keep for backward,
-their FP8 weight copies, and the 671B configs' fits / OOM pattern. Expected bytes are written out
-from the shapes, not copied from the estimator."""
+their FP8 weight copies, the roles --moe-fp4-bf16-linears leaves to Megatron, and the 671B configs'
+fits / OOM pattern. Expected bytes are written out from the shapes, not copied from the estimator."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from megatron_fp4.estimator import estimate
-from megatron_fp4.estimator.activations import Ctx, dense_mlp, moe_mlp
+from megatron_fp4.estimator.activations import Ctx, backward_working_set, dense_mlp, moe_mlp
 from megatron_fp4.estimator.params import fp8_linear_copy_elements, fp8_linear_shapes
 from megatron_fp4.estimator.recompute import NONE
-from megatron_fp4.estimator.shapes import MOE
+from megatron_fp4.estimator.shapes import DENSE, MOE
+from megatron_fp4.options import LinearRole
 
 ROOT = Path(__file__).resolve().parents[2]
 DSV3 = ROOT / "configs" / "deepseek_v3_671b"
@@ -26,6 +28,11 @@ ROWS = T * TOPK
 FP8_LINEARS = {"moe_fp4_linears": "fp8", "moe_fp4_experts": "fp8"}  # the FP8 baseline
 FP4_ALL = {**FP8_LINEARS, "moe_fp4_dispatch": True, "moe_fp4_storage": "all"}  # the paper's recipe
 FP8_WEIGHT = 1 + 4 / (128 * 128)  # bytes per element of a 128x128-block FP8 copy
+LAYERS = {"dense": 1, "moe": MOE_LAYERS, "mtp": 1}  # components' prefixes: layers of each on the GPU
+# memcap_base.yaml made MLA (as DeepSeek-V3, smaller): q / kv LoRA ranks, q heads of 64 + 32 (RoPE).
+MLA = {"multi_latent_attention": True, "q_lora_rank": 256, "kv_lora_rank": 128, "qk_head_dim": 64,
+       "qk_pos_emb_head_dim": 32, "v_head_dim": 64, "qk_layernorm": True}
+Q_LORA, KV_LORA = 256, 128
 
 
 def fp8_row(k):
@@ -125,7 +132,7 @@ def test_fp8_weight_copies_of_linears_and_experts():
 
 def test_kv_down_projection_weight_is_padded_to_128():
     s = estimate(DSV3 / "fp4_mla_up_proj.yaml").shape
-    shapes = fp8_linear_shapes(s, MOE)
+    shapes = fp8_linear_shapes(s, MOE, frozenset(LinearRole))
     assert (512 + 64, 7168) in shapes  # kv_lora_rank + qk_pos_emb_head_dim outputs
     assert fp8_linear_copy_elements((576, 7168)) == 640 * 7168
     assert fp8_linear_copy_elements((1536, 7168)) == 1536 * 7168
@@ -175,3 +182,91 @@ def test_671b_pattern_with_the_fused_attention(dsv3):
     for p in ("fp8", "fp4"):
         e = dsv3[(p, "attn_ln_moe", "installed", True)]
         assert e.shape.fused_attention and not e.shape.te and "moe.attn_probs" not in e.peak_rank.components
+
+
+def bf16_role_moves(roles, base=FP4_ALL):
+    """What keeping `roles` in Megatron's BF16 linears changes on the GPU (PP 1: one rank): {component:
+    bytes after - before} of one micro-batch's saved activations, the static weights' change, and
+    the held activations' change."""
+    before = estimate(MEMCAP, "installed", base).peak_rank
+    after = estimate(MEMCAP, "installed", {**base, "moe_fp4_bf16_linears": list(roles)}).peak_rank
+    a, b = before.components, after.components
+    moved = {k: b.get(k, 0) - a.get(k, 0) for k in a.keys() | b.keys() if b.get(k, 0) != a.get(k, 0)}
+    assert after.held == before.held == [1]
+    assert after.activations - before.activations == pytest.approx(sum(moved.values()), rel=1e-12)
+    return moved, after.static.weights - before.static.weights
+
+
+def test_bf16_attention_saves_bf16_inputs_and_holds_no_fp8_copies():
+    """Under storage all, qkv's and the output projection's saved inputs go from MXFP4 to BF16 (no
+    TE, unfused attention: Megatron's projection keeps its BF16 input); 7 layers' qkv / proj FP8
+    copies are gone."""
+    moved, weights = bf16_role_moves(["attention"])
+    per_layer = {"qkv_in": T * (2 * H - mxfp4_row(H)), "proj_in": T * (2 * 16 * 64 - mxfp4_row(16 * 64))}
+    assert moved == {f"{p}.{k}": n * v for p, n in LAYERS.items() for k, v in per_layer.items()}
+    assert weights == pytest.approx(-2 * 7 * (3 * H * H + H * H) * FP8_WEIGHT, rel=1e-12)
+
+
+def test_bf16_dense_mlp_saves_bf16_inputs_and_swiglu_input():
+    moved, weights = bf16_role_moves(["mlp"])
+    assert moved == {"dense.fc1_in": T * (2 * H - mxfp4_row(H)),
+                     "dense.fc1_out": T * (2 * 2 * FFN - mxfp4_row(2 * FFN)),  # Megatron's BF16 SwiGLU input
+                     "dense.fc2_in": T * (2 * FFN - mxfp4_row(FFN))}
+    assert weights == pytest.approx(-2 * 3 * FFN * H * FP8_WEIGHT, rel=1e-12)
+
+
+def test_bf16_shared_experts_save_what_megatron_saves():
+    """Megatron's shared expert reads the pre-MLP LayerNorm output the router keeps (router_in):
+    no fc1 input of its own."""
+    moved, weights = bf16_role_moves(["shared_experts"])
+    per_layer = {"shared_fc1_in": -T * mxfp4_row(H), "shared_fc1_out": T * (2 * 2 * SHARED - mxfp4_row(2 * SHARED)),
+                 "shared_fc2_in": T * (2 * SHARED - mxfp4_row(SHARED))}
+    assert moved == {f"{p}.{k}": n * v for p, n in LAYERS.items() if p != "dense" for k, v in per_layer.items()}
+    assert weights == pytest.approx(-2 * 6 * 3 * SHARED * H * FP8_WEIGHT, rel=1e-12)
+
+
+def test_bf16_mla_up_projections_save_bf16_inputs():
+    """The q / kv up-projections' inputs (the q / kv LayerNorm outputs) go from MXFP4 to BF16; their
+    FP8 copies (16 heads x 96 from 256, 16 heads x (64 + 64) from 128) are gone."""
+    moved, weights = bf16_role_moves(["mla_up_proj"], {**FP4_ALL, **MLA})
+    up_in = T * (2 * (Q_LORA + KV_LORA) - mxfp4_row(Q_LORA + KV_LORA))
+    assert moved == {f"{p}.up_in": n * up_in for p, n in LAYERS.items()}
+    assert weights == pytest.approx(-2 * 7 * (16 * 96 * Q_LORA + 16 * 128 * KV_LORA) * FP8_WEIGHT, rel=1e-12)
+
+
+def test_a_bf16_role_under_layernorm_recompute_keeps_no_copy_of_its_own():
+    """As Megatron's linears without ours: qkv reads the recomputed LayerNorm output, while our fc1
+    next to it keeps its own MXFP4 copy."""
+    c = components({**FP4_ALL, "recompute_modules": ["core_attn", "layernorm"], "moe_fp4_bf16_linears": ["attention"]})
+    assert "dense.qkv_in" not in c and c["dense.proj_in"] == T * 16 * 64 * 2
+    assert c["dense.fc1_in"] == T * mxfp4_row(H)
+
+
+def test_every_role_bf16_is_the_bf16_linears():
+    """(The launcher refuses the combination; the estimator takes it.)"""
+    every = estimate(MEMCAP, "installed", {**FP4_ALL, "moe_fp4_bf16_linears": ["attention", "mla_up_proj", "mlp",
+                                                                              "shared_experts"]})
+    bf16 = estimate(MEMCAP, "installed", {**FP4_ALL, "moe_fp4_linears": "bf16"})
+    assert every.precision == bf16.precision
+    assert every.peak_rank.components == bf16.peak_rank.components
+    assert every.peak_rank.static == bf16.peak_rank.static and every.peak_gib == bf16.peak_gib
+
+
+def test_the_recipe_row_keeps_every_role_fp8():
+    flagged = {**FP4_ALL, "moe_fp4_bf16_linears": ["attention", "mlp"]}
+    assert estimate(MEMCAP, "recipe", flagged).peak_gib == estimate(MEMCAP, "recipe", FP4_ALL).peak_gib
+    assert components(flagged, "recipe") == components(FP4_ALL, "recipe")
+
+
+def test_weights_per_use_quantizes_only_the_fp8_roles():
+    """Per use, backward holds the FP8 copy of the largest FP8 linear's weight: the dense layer's
+    fc1 (2 x 2816 x 1024), or with the MLP in BF16 the qkv projection (3 x 1024 x 1024)."""
+    def per_use_extra(bf16_roles: dict):
+        e = estimate(MEMCAP, "installed", {**FP4_ALL, **bf16_roles, "moe_fp4_weights_per_use": True})
+        ctx = Ctx(s=e.shape, par=e.parallel, p=e.precision, rc=e.recompute, tokens=T, rope=True, softmax_fp32=False,
+                  ce_bytes=4, bias=False)
+        cached = dataclasses.replace(ctx, p=dataclasses.replace(e.precision, weights_per_use=False))
+        return backward_working_set(ctx, DENSE) - backward_working_set(cached, DENSE)
+
+    assert per_use_extra({}) == pytest.approx(2 * FFN * H * FP8_WEIGHT, rel=1e-12)
+    assert per_use_extra({"moe_fp4_bf16_linears": ["mlp"]}) == pytest.approx(3 * H * H * FP8_WEIGHT, rel=1e-12)
