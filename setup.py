@@ -11,8 +11,9 @@ setup(
     package_data={"megatron_fp4.patching": ["patches/*/*.patch"]},
     entry_points={"console_scripts": ["megatron-fp4 = megatron_fp4.cli:main"]},
     extras_require={
-        # The test extra renders the estimator's plot in a test, so it needs the plot extra's matplotlib.
-        "test": ["pytest>=8", "numpy", "matplotlib"],
+        # The test extra renders the estimator's plot in a test, so it needs the plot extra's matplotlib;
+        # pytest-xdist runs the suite on two processes (the README's test command).
+        "test": ["pytest>=8", "pytest-xdist", "numpy", "matplotlib"],
         # `megatron-fp4 estimate --plot FILE.png`.
         "plot": ["matplotlib"],
         # Transformer Engine's PyTorch part builds from source against CUDA; optional.
