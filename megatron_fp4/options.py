@@ -169,7 +169,9 @@ FLAGS = (
          "down/up and output projection, or standard attention's qkv and projection; the dense MLP; the shared "
          "experts): bf16 (Megatron's own) or fp8 (ours: FP8 GEMMs with 1x128 activation / 128x128 weight "
          "power-of-two scales on SM90, weights quantized once per optimizer step, each saved input kept as FP8 "
-         "1x128 columns for the weight gradient; the same parameters and checkpoint keys as Megatron's local "
+         "1x128 columns for the weight gradient, except a layernorm output that Megatron recomputes "
+         "(--recompute-modules layernorm), which is kept by reference and costs nothing; the same parameters and "
+         "checkpoint keys as Megatron's local "
          "linears). Tensor parallelism 1 and --transformer-impl local only.", LinearsPrecision),
     Flag("storage", "Where activations kept for backward are stored in MXFP4: experts (inside the routed FP8 "
          "experts only, fed from the MXFP4 dispatch: their SwiGLU and fc2 inputs) or all (the paper's recipe: "

@@ -19,13 +19,14 @@ from .spec_tree import rewrite_spec
 
 _ATTENTION = LinearRole.ATTENTION
 _MLA_UP = LinearRole.MLA_UP_PROJECTION
-# The attention submodules' linear layers: (column-parallel, role) by field.
+# The attention submodules' linear layers: (column-parallel, role, reads the input layernorm's output)
+# by field.
 _ATTENTION_LINEARS = {
-    SelfAttentionSubmodules: {"linear_qkv": (True, _ATTENTION), "linear_proj": (False, _ATTENTION)},
+    SelfAttentionSubmodules: {"linear_qkv": (True, _ATTENTION, True), "linear_proj": (False, _ATTENTION, False)},
     MLASelfAttentionSubmodules: {
-        "linear_q_proj": (True, _ATTENTION), "linear_q_down_proj": (True, _ATTENTION),
-        "linear_q_up_proj": (True, _MLA_UP), "linear_kv_down_proj": (True, _ATTENTION),
-        "linear_kv_up_proj": (True, _MLA_UP), "linear_proj": (False, _ATTENTION),
+        "linear_q_proj": (True, _ATTENTION, True), "linear_q_down_proj": (True, _ATTENTION, True),
+        "linear_q_up_proj": (True, _MLA_UP, False), "linear_kv_down_proj": (True, _ATTENTION, True),
+        "linear_kv_up_proj": (True, _MLA_UP, False), "linear_proj": (False, _ATTENTION, False),
     },
 }
 
@@ -63,7 +64,7 @@ def use_fp8_linears(spec, options: FP4Options):
         if linears is not None:
             if getattr(node, "linear_qkv_down_proj", None) is not None:
                 _refuse("MLA projections (separate q and kv down-projections)", node.linear_qkv_down_proj)
-            for name, (column, role) in linears.items():
+            for name, (column, role, reads_layernorm_output) in linears.items():
                 current = getattr(node, name)
                 if current is None or not options.fp8_linear(role):
                     continue
@@ -72,7 +73,7 @@ def use_fp8_linears(spec, options: FP4Options):
                 if params is None:
                     # e.g. Transformer Engine's layer-norm-fused linear: replacing it would drop the norm.
                     _refuse(f"attention projections ({name})", current)
-                fp8 = linear_spec(column, options, role)
+                fp8 = linear_spec(column, options, role, reads_layernorm_output)
                 object.__setattr__(node, name, dataclasses.replace(fp8, params={**params, **fp8.params}))
         elif (isinstance(node, TransformerLayerSubmodules) and not _is_moe(node.mlp)
               and options.fp8_linear(LinearRole.DENSE_MLP)):

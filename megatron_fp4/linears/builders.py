@@ -19,7 +19,9 @@ from .swiglu import MXFP4SavedSwiGLU
 
 
 def fp8_mlp_submodules(options: FP4Options, role: LinearRole) -> MLPSubmodules:
-    return MLPSubmodules(linear_fc1=linear_spec(True, options, role), linear_fc2=linear_spec(False, options, role))
+    # fc1 reads the pre-MLP layernorm's output (the dense MLP and the shared experts alike).
+    return MLPSubmodules(linear_fc1=linear_spec(True, options, role, reads_layernorm_output=True),
+                         linear_fc2=linear_spec(False, options, role))
 
 
 def _with_activation(config, submodules: MLPSubmodules, options: FP4Options, role: LinearRole):

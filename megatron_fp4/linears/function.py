@@ -4,7 +4,9 @@ gradient in FP8 or in MXFP4 (DESIGN §3, §7).
 Forward: X in 1x128 rows times W in 128x128 blocks. Saved for backward: only X, quantized along
 tokens, either as the FP8 1x128 columns the weight-gradient GEMM reads (FP8 storage: one byte per
 element plus an fp32 scale per 128 tokens) or as MXFP4 rows (H/2 + H/32 bytes per token) that
-backward turns into those columns by the exact FP4 -> FP8 conversion. Backward: dX = dY W in FP8
+backward turns into those columns by the exact FP4 -> FP8 conversion; a layernorm output that
+Megatron recomputes before backward is kept as the tensor itself (nothing stored) and quantized to
+those columns in backward. Backward: dX = dY W in FP8
 (dY in 1x128 rows, W^T in 128x128 blocks); dW = dY^T X with both operands 1x128 along tokens.
 
 The GEMMs are the experts' cuBLASLt path (experts/gemm.py) over one segment that holds every
@@ -34,6 +36,10 @@ class SavedInput(enum.Enum):
 
     FP8 = "fp8"  # FP8 1x128 columns, built in forward (the FP8 baseline, Transformer Engine's choice)
     MXFP4 = "mxfp4"  # MXFP4 rows (the paper's recipe), converted exactly to FP8 columns in backward
+    # The input tensor itself, quantized to FP8 columns in backward: for a layernorm's output that
+    # Megatron discards after forward and recomputes before backward (--recompute-modules
+    # layernorm), so nothing is stored, as Megatron has Transformer Engine's FP8 layers do there.
+    ORIGINAL = "original"
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,8 @@ class FP8LinearFunction(torch.autograd.Function):
         if call.backward_follows:
             if call.saved is SavedInput.MXFP4:
                 saved = (K.quantize_mxfp4(x2d, call.scale_rule).rows,)
+            elif call.saved is SavedInput.ORIGINAL:
+                saved = (x,)  # the caller's tensor, whose storage Megatron refills before backward
             else:
                 saved = K.quantize_fp8_cols(x2d, segments.counts_device, check_counts=False).colwise_parts()
             ctx.save_for_backward(weight, *saved)
@@ -115,6 +123,9 @@ def _wgrad_operands(ctx, call: LinearCall, segments, grad2d):
     if call.saved is SavedInput.MXFP4:
         input_cols = K.mxfp4_to_fp8_cols(MXFP4Tensor(saved[0], ctx.in_features, call.scale_rule),
                                          segments.counts_device, check_counts=False)
+    elif call.saved is SavedInput.ORIGINAL:
+        input_cols = K.quantize_fp8_cols(saved[0].reshape(-1, ctx.in_features).contiguous(), segments.counts_device,
+                                         check_counts=False)
     else:
         input_cols = FP8BlockTensor.from_colwise_parts(saved)
     return grad_cols, input_cols

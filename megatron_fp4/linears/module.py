@@ -31,11 +31,19 @@ _RECOMPUTED_BY = {
 }
 
 
-def saved_input(options: FP4Options, role: LinearRole, config) -> SavedInput:
-    """How a linear layer of `role` keeps its input for the weight gradient."""
-    if options.storage is Storage.ALL and not recomputed_by(_RECOMPUTED_BY[role], config):
-        return SavedInput.MXFP4
-    return SavedInput.FP8
+def saved_input(options: FP4Options, role: LinearRole, config, reads_layernorm_output: bool = False) -> SavedInput:
+    """How a linear layer of `role` keeps its input for the weight gradient; `reads_layernorm_output`:
+    its input is the output of the layer's input or pre-MLP layernorm."""
+    if recomputed_by(_RECOMPUTED_BY[role], config):
+        return SavedInput.FP8  # inside a recomputation: nothing inexact in FP4, and only until its backward
+    if reads_layernorm_output and _selectively_recomputed("layernorm", config):
+        return SavedInput.ORIGINAL
+    return SavedInput.MXFP4 if options.storage is Storage.ALL else SavedInput.FP8
+
+
+def _selectively_recomputed(module: str, config) -> bool:
+    """Megatron's selective recompute of `module` (not full recompute, which checkpoints whole layers)."""
+    return getattr(config, "recompute_granularity", None) == "selective" and module in (config.recompute_modules or ())
 
 
 def _check_layer(kind: str, input_size: int, output_size: int, bias: bool, name: Optional[str]) -> None:
@@ -66,12 +74,12 @@ class _FP8Settings:
     weight_cache: Optional[FP8WeightCache] = field(default=None)
 
     @classmethod
-    def of(cls, options: FP4Options, role: LinearRole, config) -> "_FP8Settings":
+    def of(cls, options: FP4Options, role: LinearRole, config, reads_layernorm_output: bool = False) -> "_FP8Settings":
         if not options.fp8_linear(role):
             raise ValueError(f"an FP8 linear layer ({role.value}) was built without --moe-fp4-linears fp8 or with "
                              "its role in --moe-fp4-bf16-linears")
         validate(options, ModelSettings.from_config(config), None, Route.PLUGIN)
-        return cls(saved_input(options, role, config), options.scale_rule.value,
+        return cls(saved_input(options, role, config, reads_layernorm_output), options.scale_rule.value,
                    bool(config.gradient_accumulation_fusion), None if options.weights_per_use else FP8WeightCache())
 
 
@@ -85,11 +93,12 @@ def _fp8_forward(settings: _FP8Settings, input_: torch.Tensor, weight: torch.Ten
 
 class FP8ColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, config, options: FP4Options, role: LinearRole,
-                 bias: bool = True, gather_output: bool = False, name: Optional[str] = None, **kwargs):
+                 reads_layernorm_output: bool = False, bias: bool = True, gather_output: bool = False,
+                 name: Optional[str] = None, **kwargs):
         _check_layer("column-parallel layer", input_size, output_size, bias, name)
         super().__init__(input_size, output_size, config=_weight_holder_config(config), bias=bias,
                          gather_output=gather_output, name=name, **kwargs)
-        self.fp8 = _FP8Settings.of(options, role, config)
+        self.fp8 = _FP8Settings.of(options, role, config, reads_layernorm_output)
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
@@ -122,5 +131,11 @@ class LinearSpec:
         return self.module(*args, **self.params, **kwargs)
 
 
-def linear_spec(column: bool, options: FP4Options, role: LinearRole) -> LinearSpec:
-    return LinearSpec(FP8ColumnParallelLinear if column else FP8RowParallelLinear, {"options": options, "role": role})
+def linear_spec(column: bool, options: FP4Options, role: LinearRole, reads_layernorm_output: bool = False) -> LinearSpec:
+    """`reads_layernorm_output`: the layer's input is a layernorm's output (column-parallel layers only)."""
+    if not column:
+        if reads_layernorm_output:
+            raise ValueError("only column-parallel layers read a layernorm's output here")
+        return LinearSpec(FP8RowParallelLinear, {"options": options, "role": role})
+    return LinearSpec(FP8ColumnParallelLinear,
+                      {"options": options, "role": role, "reads_layernorm_output": reads_layernorm_output})

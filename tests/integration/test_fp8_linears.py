@@ -130,6 +130,31 @@ def test_saves_only_the_quantized_input(device):
         out.backward(grad.to(device))
 
 
+def test_a_recomputed_layernorm_output_is_kept_by_reference(device):
+    """SavedInput.ORIGINAL (a layernorm output under --recompute-modules layernorm): only the input
+    tensor itself is saved; Megatron's CheckpointWithoutOutput empties its storage after forward and
+    refills it before backward, and the results equal the FP8-saved layer's bit for bit (backward
+    quantizes the same values)."""
+    x, weight, grad = _operands(256)
+    expected = _run(_call(SavedInput.FP8), x, weight, grad, device)
+    xr = x.to(device).detach().clone().requires_grad_(True)
+    wr = weight.to(device).detach().clone().requires_grad_(True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = FP8LinearFunction.apply(_call(SavedInput.ORIGINAL), xr, wr)
+    activations = [t for t in packed if t.data_ptr() != wr.data_ptr()]
+    assert [t.data_ptr() for t in activations] == [xr.data_ptr()]
+    # What CheckpointWithoutOutput does, at the storage level (no version bump), as in Megatron.
+    values, storage = xr.detach().clone(), xr.untyped_storage()
+    size = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(size)
+    storage.copy_(values.untyped_storage())
+    out.backward(grad.to(device))
+    for name, ours, theirs in zip(("output", "input grad", "weight grad"), (out, xr.grad, wr.grad), expected):
+        assert torch.equal(ours, theirs), name
+
+
 def test_no_grad_forward_saves_nothing_and_gives_the_same_output(device, monkeypatch):
     x, weight, _ = _operands(256)
     x, weight = x.to(device), weight.to(device)
@@ -210,6 +235,45 @@ def test_nothing_inside_a_recomputation_is_kept_in_fp4(granularity, modules, kep
     config = SimpleNamespace(recompute_granularity=granularity, recompute_modules=modules)
     assert {role for role in LinearRole if saved_input(RECIPE, role, config) is SavedInput.MXFP4} == kept_in_fp4
     assert all(saved_input(FP8_LINEARS, role, config) is SavedInput.FP8 for role in LinearRole)
+
+
+@pytest.mark.parametrize("granularity, modules, by_reference", [
+    ("selective", ["layernorm"], set(LinearRole)),
+    ("selective", ["layernorm", "mlp"], set(LinearRole) - {LinearRole.DENSE_MLP}),
+    ("selective", ["layernorm", "moe"], set(LinearRole) - {LinearRole.SHARED_EXPERTS}),
+    ("selective", ["layernorm", "mla_up_proj"], set(LinearRole) - {LinearRole.MLA_UP_PROJECTION}),
+    ("selective", ["core_attn", "mlp"], set()),
+    ("full", ["layernorm"], set()),
+])
+def test_readers_of_a_recomputed_layernorm_keep_it_by_reference(granularity, modules, by_reference):
+    """Under --recompute-modules layernorm the layers reading a layernorm's output keep that tensor
+    (Megatron recomputes it); a layer inside another recomputation keeps the FP8 rule."""
+    config = SimpleNamespace(recompute_granularity=granularity, recompute_modules=modules)
+    for options in (RECIPE, FP8_LINEARS):
+        kept = {role for role in LinearRole if saved_input(options, role, config, True) is SavedInput.ORIGINAL}
+        assert kept == by_reference, options
+        assert all(saved_input(options, role, config) is not SavedInput.ORIGINAL for role in LinearRole)
+
+
+def test_spec_marks_the_layers_that_read_a_layernorm_output():
+    readers = {}
+    for spec in (get_gpt_layer_local_spec(num_experts=4, multi_latent_attention=True),
+                 get_gpt_layer_local_spec(num_experts=4)):
+        layer = use_fp4(spec, RECIPE).submodules
+        for name in ("linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                     "linear_kv_up_proj", "linear_proj"):
+            entry = getattr(layer.self_attention.submodules, name, None)
+            if entry is not None:
+                readers[name] = entry.params.get("reads_layernorm_output", False)
+        shared = layer.mlp.keywords["submodules"].shared_experts.keywords["submodules"]
+        readers["shared fc1"] = shared.linear_fc1.params["reads_layernorm_output"]
+        readers["shared fc2"] = shared.linear_fc2.params.get("reads_layernorm_output", False)
+    dense = use_fp4(get_gpt_layer_local_spec(), RECIPE).submodules.mlp.keywords["submodules"]
+    readers["dense fc1"] = dense.linear_fc1.params["reads_layernorm_output"]
+    readers["dense fc2"] = dense.linear_fc2.params.get("reads_layernorm_output", False)
+    assert {name for name, reads in readers.items() if reads} == {
+        "linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj", "shared fc1", "dense fc1"}
+    assert len(readers) == 11  # the fields of both attention specs (MLA names q_proj and q_down_proj both)
 
 
 def test_spec_swap_takes_local_linears_only():
