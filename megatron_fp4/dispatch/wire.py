@@ -16,7 +16,11 @@ def pack_fp8_rows(t: FP8BlockTensor) -> torch.Tensor:
     """Rowwise FP8 [T, H] -> uint8 [T, H + 4 H/128] (one copy)."""
     if t.layout != ROWWISE:
         raise ValueError("pack_fp8_rows: only the rowwise layout travels per token")
-    scales_per_row = t.block_scales.t().contiguous().view(torch.uint8)  # [T, 4 * H/128]
+    # A fresh row-major copy: .contiguous() would keep the transposed stride of a size-1 dimension
+    # (H = 128: one scale per row), which the byte view refuses.
+    scales = t.block_scales.t()
+    scales_per_row = torch.empty(scales.shape, dtype=scales.dtype, device=scales.device).copy_(scales)
+    scales_per_row = scales_per_row.view(torch.uint8)  # [T, 4 * H/128]
     return torch.cat([t.data.view(torch.uint8), scales_per_row], dim=1)
 
 
