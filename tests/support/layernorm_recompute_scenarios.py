@@ -1,0 +1,70 @@
+"""The FP8 linears under Megatron's layernorm recompute (tests/integration/test_layernorm_recompute.py),
+run by both ranks of run_on_two_ranks, each on its own (Megatron's recompute asks for CUDA RNG
+states: on the CPU torch.cuda is emulated). A dense transformer layer of the whole FP4 recipe with
+--recompute-modules layernorm: the layers reading a layernorm's output keep it by reference. With
+FP8-saved inputs the output and every gradient equal those of the same layer without the recompute,
+bit for bit (the recompute refills the same values, which backward quantizes as forward would
+have). With every saved input in MXFP4 everything but those readers' weight gradients does: theirs
+now come from the BF16 input instead of its MXFP4 copy."""
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, TOKENS, BATCH = 256, 48, 2
+
+
+def _dense_layer(storage: str, recompute_modules):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_fp4.integration import FP4Options, use_fp4
+
+    recompute = dict(recompute_granularity="selective", recompute_modules=recompute_modules) if recompute_modules else {}
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=384, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, hidden_dropout=0.0,
+        attention_dropout=0.0, gradient_accumulation_fusion=False, use_cpu_initialization=True,
+        # The dense layer of an MoE model (DeepSeek-V3's first layers): the recipe's flags need one.
+        num_moe_experts=4, moe_ffn_hidden_size=128, moe_token_dispatcher_type="alltoall", **recompute)
+    spec = use_fp4(get_gpt_layer_local_spec(), FP4Options(dispatch=True, experts="fp8", linears="fp8", storage=storage))
+    torch.manual_seed(7)
+    return TransformerLayer(config, spec.submodules, layer_number=1,
+                            pg_collection=get_default_pg_collection()).to(torch.bfloat16)
+
+
+def _forward_backward(layer, hidden, grad):
+    x = hidden.clone().requires_grad_(True)
+    out, _ = layer(x, attention_mask=None)
+    out.backward(grad)
+    return {"output": out.detach(), "input grad": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+
+
+def run(rank: int, scratch: str) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_fp4.launch.workarounds import recompute_without_output_without_transformer_engine
+    from megatron_fp4.linears import SavedInput
+
+    recompute_without_output_without_transformer_engine()  # no Transformer Engine here
+    parallel_state.initialize_model_parallel()
+    try:
+        model_parallel_cuda_manual_seed(5)
+        g = torch.Generator().manual_seed(rank)
+        hidden = torch.randn(TOKENS, BATCH, HIDDEN, generator=g).bfloat16()
+        grad = torch.randn(TOKENS, BATCH, HIDDEN, generator=g).bfloat16()
+        for storage, inexact_saved, differing_expected in (
+                ("experts", SavedInput.FP8, []),
+                ("all", SavedInput.MXFP4, ["self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"])):
+            plain, recomputed = _dense_layer(storage, None), _dense_layer(storage, ["layernorm"])
+            assert recomputed.recompute_input_layernorm and recomputed.recompute_pre_mlp_layernorm
+            saved = {name: m.fp8.saved for name, m in recomputed.named_modules() if hasattr(m, "fp8")}
+            assert saved == {"self_attention.linear_qkv": SavedInput.ORIGINAL, "self_attention.linear_proj": inexact_saved,
+                             "mlp.linear_fc1": SavedInput.ORIGINAL, "mlp.linear_fc2": inexact_saved}, saved
+            expected, found = _forward_backward(plain, hidden, grad), _forward_backward(recomputed, hidden, grad)
+            differing = [name for name in expected if not torch.equal(expected[name], found[name])]
+            assert differing == differing_expected, f"storage {storage}: differ under layernorm recompute: {differing}"
+    finally:
+        parallel_state.destroy_model_parallel()
