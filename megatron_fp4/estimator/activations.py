@@ -14,9 +14,13 @@ shared experts) keep only their own copy of their input: FP8 1x128 (1 byte + one
 elements), or MXFP4 (K/2 + K/32 bytes per row) under --moe-fp4-storage all, which also keeps the
 dense-MLP and shared-expert SwiGLU inputs in MXFP4; a recomputed module (Megatron's recompute,
 `storage_rc`) keeps FP8 / BF16 there, so what its recompute restores in backward is counted in those
-formats. Each tensor asks whether its own role is FP8 (Precision.fp8_linear): a role
---moe-fp4-bf16-linears names is Megatron's linears, saving what they save without our linears
-(BF16 inputs and SwiGLU input, also under --moe-fp4-storage all).
+formats. Under `layernorm` recompute, those reading a LayerNorm output (qkv or MLA's q / kv
+down-projections, the dense MLP's and shared experts' fc1) keep that BF16 tensor by reference
+instead, as Megatron has Transformer Engine's do (`set_save_original_input`): the recompute
+discards it, so they save nothing (Ctx.keeps_layernorm_output). Each tensor asks whether its own
+role is FP8 (Precision.fp8_linear): a role --moe-fp4-bf16-linears names is Megatron's linears,
+saving what they save without our linears (BF16 inputs and SwiGLU input, also under
+--moe-fp4-storage all).
 
 Each function returns {component: bytes}; `recompute` drops what Megatron recomputes.
 """
@@ -56,16 +60,34 @@ class Ctx:
     def with_recompute(self, rc: Recompute) -> "Ctx":
         """The same layer under another recompute, storing what the run's own recompute stores."""
         return Ctx(self.s, self.par, self.p, rc, self.tokens, self.rope, self.softmax_fp32, self.ce_bytes, self.bias,
-                   self.storage_rc or self.rc)
+                   self.run_recompute)
+
+    @property
+    def run_recompute(self) -> Recompute:
+        """The run's own recompute, which decides how our layers store (`rc` may be another one)."""
+        return self.storage_rc or self.rc
+
+    def role_recomputed(self, role: LinearRole) -> bool:
+        """Whether the run recomputes `role`'s module (the role names its selective recompute
+        module; `moe` recompute covers the shared experts too; full recompute covers all)."""
+        rc = self.run_recompute
+        return rc.granularity == "full" or role in rc or (role == SHARED and "moe" in rc)
 
     def fp4_stored(self, role: LinearRole) -> bool:
         """Whether `role`'s linear inputs and SwiGLU input are kept in MXFP4 (--moe-fp4-storage all,
-        which only our FP8 linears do): not inside a recomputation (the role names its selective
-        recompute module; `moe` recompute covers the shared experts too)."""
-        rc = self.storage_rc or self.rc
-        if not (self.p.fp4_storage_all and self.p.fp8_linear(role)) or rc.granularity == "full":
-            return False
-        return role not in rc and not (role == SHARED and "moe" in rc)
+        which only our FP8 linears do): not inside a recomputation."""
+        return self.p.fp4_storage_all and self.p.fp8_linear(role) and not self.role_recomputed(role)
+
+    def keeps_layernorm_output(self, role: LinearRole) -> bool:
+        """Whether our FP8 linears of `role` that read a LayerNorm output keep that BF16 tensor by
+        reference (SavedInput.ORIGINAL) rather than a copy: under the run's `layernorm` recompute,
+        which discards it after forward and recomputes it for backward, unless the role's own
+        module is recomputed (then the existing rule holds). Only the readers of a LayerNorm ask."""
+        return self.p.fp8_linear(role) and "layernorm" in self.run_recompute and not self.role_recomputed(role)
+
+    def own_input_copy(self, role: LinearRole) -> bool:
+        """Whether the linears of `role` that read a LayerNorm output keep their own FP8 / MXFP4 copy."""
+        return self.p.fp8_linear(role) and not self.keeps_layernorm_output(role)
 
     def linear_input(self, role: LinearRole) -> float:
         """Bytes per element our FP8 linear of `role` keeps of its input."""
@@ -116,11 +138,11 @@ def standard_attention(c: Ctx) -> dict:
     s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
     heads, groups, d = s.heads / tp, s.query_groups / tp, s.head_dim
     out = {"layer_input": c.resid * s.hidden * mb}
-    if c.p.fp8_linear(ATTENTION):  # its own copy, whether the layernorm is recomputed or not
+    if c.own_input_copy(ATTENTION):
         out["qkv_in"] = c.resid * s.hidden * c.linear_input(ATTENTION)
-    elif s.te:  # input layernorm fused into the QKV GEMM: it keeps its LN output itself
+    elif s.te and not c.p.fp8_linear(ATTENTION):  # input layernorm fused into the QKV GEMM: it keeps its LN output
         out["qkv_in"] = c.resid * s.hidden * c.p.gemm_input_bytes
-    elif "layernorm" not in c.rc:
+    elif "layernorm" not in c.rc:  # the LN output (ours under layernorm recompute: restored for backward)
         out["qkv_in"] = c.resid * s.hidden * mb
     # q, k, v are views into the fused QKV output; RoPE makes new q and k. Local attention repeats
     # k and v to every head under grouped-query attention (new tensors), fused attention does not.
@@ -143,7 +165,7 @@ def mla_attention(c: Ctx) -> dict:
     heads = s.heads / tp
     q_head = s.qk_head_dim + s.qk_rope_dim
     out = {"layer_input": c.resid * s.hidden * mb}
-    if c.p.fp8_linear(ATTENTION):  # the q and kv down-projections' own copies, layernorm recomputed or not
+    if c.own_input_copy(ATTENTION):  # the q and kv down-projections' own copies
         out["down_in"] = 2 * c.resid * s.hidden * c.linear_input(ATTENTION)
     elif "layernorm" not in c.rc:  # input layernorm output, read by the q and kv down-projections
         out["down_in"] = c.resid * s.hidden * (2 * c.p.fp8_act_bytes if c.p.fp8 else mb)
@@ -172,7 +194,7 @@ def dense_mlp(c: Ctx) -> dict:
     out = {"mlp_input": c.resid * s.hidden * mb}
     recompute = MLP in c.rc
     ours = c.p.fp8_linear(MLP)
-    if ours and not recompute:  # fc1's own copy, whether the layernorm is recomputed or not
+    if c.own_input_copy(MLP) and not recompute:
         out["fc1_in"] = c.resid * s.hidden * c.linear_input(MLP)
     elif s.te and not ours:  # pre-MLP layernorm fused into fc1: fc1 keeps the LN output
         if not recompute:
@@ -208,16 +230,16 @@ def moe_mlp(c: Ctx) -> dict:
     out["routing_indices"] = rows * 8
     if s.shared_ffn_hidden and SHARED not in c.rc:
         fs = s.shared_ffn_hidden / tp
-        if p.fp8_linear(SHARED):  # its own copy, whether the layernorm is recomputed or not
+        if c.own_input_copy(SHARED):  # else it reads the LN output router_in keeps (or layernorm recomputes)
             out["shared_fc1_in"] = c.resid * h * c.linear_input(SHARED)
-        elif p.fp8 and not ln_dropped:
+        elif p.fp8 and not ln_dropped:  # Transformer Engine's FP8 copy
             out["shared_fc1_in"] = c.resid * h * p.fp8_act_bytes
         out["shared_fc1_out"] = c.tokens * s.fc1_factor * fs * c.swiglu_input(SHARED)
         out["shared_fc2_in"] = c.tokens * fs * c.fc2_input(SHARED)
     fm = s.moe_ffn_hidden / c.par.etp
     # Our FP8 experts keep their SwiGLU and fc2 inputs in MXFP4, except inside a recomputation (the
     # whole MoE layer's or full): there a BF16 SwiGLU input and FP8 columns of the fc2 input.
-    storage_rc = c.storage_rc or c.rc
+    storage_rc = c.run_recompute
     fp4 = p.fp4_experts and not (storage_rc.granularity == "full" or "moe" in storage_rc)
     # Our FP8 experts without a payload (the FP8 baseline) keep the fc1 and fc2 inputs as FP8 1x128
     # columns (each expert's tokens padded to 128, left out here) and the SwiGLU input in BF16.

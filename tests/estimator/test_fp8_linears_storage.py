@@ -12,7 +12,7 @@ from megatron_fp4.estimator import estimate
 from megatron_fp4.estimator.activations import Ctx, backward_working_set, dense_mlp, moe_mlp
 from megatron_fp4.estimator.params import fp8_linear_copy_elements, fp8_linear_shapes
 from megatron_fp4.estimator.recompute import NONE
-from megatron_fp4.estimator.shapes import DENSE, MOE
+from megatron_fp4.estimator.shapes import DENSE, MOE, MTP
 from megatron_fp4.options import LinearRole
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,11 +235,92 @@ def test_bf16_mla_up_projections_save_bf16_inputs():
 
 
 def test_a_bf16_role_under_layernorm_recompute_keeps_no_copy_of_its_own():
-    """As Megatron's linears without ours: qkv reads the recomputed LayerNorm output, while our fc1
-    next to it keeps its own MXFP4 copy."""
+    """As Megatron's linears without ours: qkv reads the recomputed LayerNorm output, and so does our
+    fc1 next to it (by reference); Megatron's output projection keeps its BF16 input, our fc2 MXFP4."""
     c = components({**FP4_ALL, "recompute_modules": ["core_attn", "layernorm"], "moe_fp4_bf16_linears": ["attention"]})
     assert "dense.qkv_in" not in c and c["dense.proj_in"] == T * 16 * 64 * 2
-    assert c["dense.fc1_in"] == T * mxfp4_row(H)
+    assert "dense.fc1_in" not in c and c["dense.fc2_in"] == T * mxfp4_row(FFN)
+
+
+def layernorm_recompute_moves(base, modules=("core_attn",)):
+    """{component: bytes with - without `layernorm` added to `modules`} of one micro-batch on the GPU."""
+    without = estimate(MEMCAP, "installed", {**base, "recompute_modules": list(modules)}).peak_rank
+    with_ln = estimate(MEMCAP, "installed", {**base, "recompute_modules": [*modules, "layernorm"]}).peak_rank
+    a, b = without.components, with_ln.components
+    assert without.held == with_ln.held == [1]
+    return {k: b.get(k, 0) - a.get(k, 0) for k in a.keys() | b.keys() if b.get(k, 0) != a.get(k, 0)}
+
+
+@pytest.mark.parametrize("base, row", [(FP8_LINEARS, fp8_row), (FP4_ALL, mxfp4_row)], ids=["fp8", "fp4"])
+def test_layernorm_recompute_drops_the_layernorm_readers_copies(base, row):
+    """Under `layernorm` recompute our linears reading a LayerNorm output (qkv, dense and shared fc1)
+    keep the BF16 tensor by reference, which the recompute discards, as Megatron's do: their FP8 /
+    MXFP4 copies go, next to the router's BF16 LN output (already dropped before this change)."""
+    per_layer = {"qkv_in": -T * row(H)}
+    mlp = {"dense": {"fc1_in": -T * row(H)}, "moe": {"shared_fc1_in": -T * row(H), "router_in": -T * H * 2}}
+    expected = {f"{p}.{k}": n * v for p, n in LAYERS.items()
+                for k, v in {**per_layer, **mlp["dense" if p == "dense" else "moe"]}.items()}
+    assert layernorm_recompute_moves(base) == expected
+
+
+@pytest.mark.parametrize("base, row", [(FP8_LINEARS, fp8_row), (FP4_ALL, mxfp4_row)], ids=["fp8", "fp4"])
+def test_layernorm_recompute_drops_both_mla_down_projections_copies(base, row):
+    """MLA's q and kv down-projections both read the input LayerNorm output: two copies go; the
+    up-projections and the output projection keep theirs."""
+    moved = layernorm_recompute_moves({**base, **MLA})
+    assert {k: v for k, v in moved.items() if k.endswith("down_in")} == {
+        f"{p}.down_in": -n * 2 * T * row(H) for p, n in LAYERS.items()}
+    assert not any(k.endswith(("up_in", "proj_in")) for k in moved)
+
+
+def test_a_recomputed_role_keeps_its_own_copy_under_layernorm_recompute():
+    """The rule holds only where the role's own module is not recomputed: a dense MLP under `mlp`
+    recompute (shared experts under `shared_experts` or `moe`) restores its FP8 copy for backward,
+    while a LayerNorm reader keeping the original gets the BF16 LayerNorm output back."""
+    def restored(modules):
+        e = estimate(MEMCAP, "installed", {**FP4_ALL, "recompute_modules": modules})
+        ctx = Ctx(s=e.shape, par=e.parallel, p=e.precision, rc=e.recompute, tokens=T, rope=True, softmax_fp32=False,
+                  ce_bytes=4, bias=False)
+        roles = {role: ctx.keeps_layernorm_output(role) for role in (LinearRole.DENSE_MLP, LinearRole.SHARED_EXPERTS)}
+        return roles, ctx.with_recompute(NONE)
+
+    roles, ctx = restored(["layernorm"])
+    assert roles == {LinearRole.DENSE_MLP: True, LinearRole.SHARED_EXPERTS: True}
+    assert dense_mlp(ctx)["fc1_in"] == T * H * 2 and "shared_fc1_in" not in moe_mlp(ctx)
+    roles, ctx = restored(["layernorm", "mlp", "shared_experts"])
+    assert roles == {LinearRole.DENSE_MLP: False, LinearRole.SHARED_EXPERTS: False}
+    assert dense_mlp(ctx)["fc1_in"] == moe_mlp(ctx)["shared_fc1_in"] == T * fp8_row(H)
+    assert not restored(["layernorm", "moe"])[0][LinearRole.SHARED_EXPERTS]
+
+
+def test_no_change_without_layernorm_recompute():
+    """Without `layernorm` in the list (or under full recompute) our LayerNorm readers keep their copies."""
+    for modules in (["core_attn"], ["core_attn", "mlp", "moe"]):
+        c = components({**FP4_ALL, "recompute_modules": modules})
+        assert c["dense.qkv_in"] == T * mxfp4_row(H)
+    full = estimate(MEMCAP, "installed", {**FP4_ALL, "recompute_granularity": "full", "recompute_method": "uniform",
+                                          "recompute_num_layers": 1})
+    ctx = Ctx(s=full.shape, par=full.parallel, p=full.precision, rc=full.recompute, tokens=T, rope=True,
+              softmax_fp32=False, ce_bytes=4, bias=False)
+    assert not any(ctx.keeps_layernorm_output(role) for role in LinearRole)
+
+
+@pytest.mark.parametrize("precision, row", [("fp8", fp8_row), ("fp4", mxfp4_row)])
+def test_671b_first_scope_drops_the_down_projections_copies(precision, row):
+    """At the paper's first scope, `layernorm` recompute takes from every decoder / MTP layer the
+    two down-projections' copies of the LayerNorm output and the BF16 pre-MLP LayerNorm output the
+    recomputed MLP / MoE layer would keep as its checkpoint's input, per micro-batch of a chunk."""
+    config = DSV3 / f"{precision}_attn_ln_moe.yaml"
+    with_ln = estimate(config)
+    without = estimate(config, overrides={"recompute_modules": ["mla_up_proj", "mlp", "moe"]})
+    s = with_ln.shape
+    tokens = s.seq_length * s.micro_batch
+    per_layer = tokens * (2 * row(s.hidden) + 2 * s.hidden)
+    for rank in range(with_ln.parallel.pp):
+        for chunk, a, b in zip(with_ln.parallel.chunks[rank], without.ranks[rank].chunk_bytes,
+                               with_ln.ranks[rank].chunk_bytes):
+            layers = sum(1 for kind, _ in chunk if kind in (DENSE, MOE, MTP))
+            assert a - b == pytest.approx(layers * per_layer, rel=1e-9)
 
 
 def test_every_role_bf16_is_the_bf16_linears():
