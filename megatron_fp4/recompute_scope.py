@@ -11,3 +11,9 @@ def recomputed_by(modules: FrozenSet[str], config) -> bool:
     if granularity == "full":
         return True
     return granularity == "selective" and bool(modules & set(config.recompute_modules or ()))
+
+
+def selectively_recomputed(module: str, config) -> bool:
+    """Whether Megatron's selective recompute re-runs `module` (full recompute, which checkpoints
+    whole layers, does not count)."""
+    return getattr(config, "recompute_granularity", None) == "selective" and module in (config.recompute_modules or ())

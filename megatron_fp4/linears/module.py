@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from ..experts.weight_cache import FP8WeightCache
 from ..formats import FP8_BLOCK
 from ..options import FP4Options, LinearRole, ModelSettings, Route, Storage, UnsupportedConfiguration, validate
-from ..recompute_scope import recomputed_by
+from ..recompute_scope import recomputed_by, selectively_recomputed
 from .function import FP8LinearFunction, LinearCall, SavedInput
 
 
@@ -36,14 +36,10 @@ def saved_input(options: FP4Options, role: LinearRole, config, reads_layernorm_o
     its input is the output of the layer's input or pre-MLP layernorm."""
     if recomputed_by(_RECOMPUTED_BY[role], config):
         return SavedInput.FP8  # inside a recomputation: nothing inexact in FP4, and only until its backward
-    if reads_layernorm_output and _selectively_recomputed("layernorm", config):
+    if reads_layernorm_output and selectively_recomputed("layernorm", config):
         return SavedInput.ORIGINAL
     return SavedInput.MXFP4 if options.storage is Storage.ALL else SavedInput.FP8
 
-
-def _selectively_recomputed(module: str, config) -> bool:
-    """Megatron's selective recompute of `module` (not full recompute, which checkpoints whole layers)."""
-    return getattr(config, "recompute_granularity", None) == "selective" and module in (config.recompute_modules or ())
 
 
 def _check_layer(kind: str, input_size: int, output_size: int, bias: bool, name: Optional[str]) -> None:
