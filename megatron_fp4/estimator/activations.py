@@ -252,12 +252,18 @@ def moe_mlp(c: Ctx) -> dict:
     return out
 
 
+def _parts(c: Ctx, kind: str) -> tuple[dict, dict]:
+    """One layer's (attention, MLP) saved tensors under selective or no recompute."""
+    attention = mla_attention(c) if c.s.mla else standard_attention(c)
+    return attention, dense_mlp(c) if kind == DENSE else moe_mlp(c)
+
+
 def layer(c: Ctx, kind: str) -> dict:
     """One decoder layer (or an MTP layer's transformer layer)."""
     if c.rc.granularity == "full":
         return {"layer_input": c.resid * c.s.hidden * c.p.model_bytes / c.rc.num_layers}
-    out = mla_attention(c) if c.s.mla else standard_attention(c)
-    for key, value in (dense_mlp(c) if kind == DENSE else moe_mlp(c)).items():
+    out, mlp = _parts(c, kind)
+    for key, value in mlp.items():
         out[key] = out.get(key, 0) + value
     return out
 
@@ -285,21 +291,80 @@ def logits_transient(c: Ctx) -> float:
     return c.tokens * c.s.vocab / c.par.tp * c.p.model_bytes
 
 
+def mtp_hidden_gradient(c: Ctx) -> float:
+    """While the MTP layers run backward: the gradient of the main and MTP hidden states, which the
+    model concatenates for the output layer (one [(1 + MTP layers) T, h] tensor, SplitBackward0's);
+    its main part waits there for the MTP layers' share of the decoder output's gradient."""
+    return (1 + c.s.mtp_layers) * c.resid * c.s.hidden * c.p.model_bytes
+
+
+def _restored(c: Ctx, kind: str) -> tuple[float, float]:
+    """Bytes a layer's recompute brings back for its (attention, MLP) backward. Full recompute
+    restores the whole layer (less its input, which stays saved) before the MLP backward; the
+    attention backward runs after the MLP's restored tensors are gone."""
+    full_attention, full_mlp = (sum(p.values()) for p in _parts(c.with_recompute(NONE), kind))
+    if c.rc.granularity == "full":
+        whole = full_attention + full_mlp - sum(layer(c, kind).values())
+        return whole - full_mlp, whole
+    attention, mlp = (sum(p.values()) for p in _parts(c, kind))
+    return full_attention - attention, full_mlp - mlp
+
+
+def _weight_in_use(c: Ctx, kind: str) -> tuple[float, float]:
+    """FP8 weights quantized per use (--moe-fp4-weights-per-use) while (attention, MLP) backward
+    runs: one FP8 linear's at a time (the FP8 roles' largest; none: 0), and in an MoE layer's MLP
+    all local experts' fc1 weights at once (one launch)."""
+    if not c.p.weights_per_use:
+        return 0.0, 0.0
+    shapes = fp8_linear_shapes(c.s, kind, c.p.fp8_linear_roles)
+    linear = max(map(fp8_linear_copy_elements, shapes), default=0) * FP8_128X128_BYTES
+    experts = 0.0
+    if kind == MOE and c.p.fp8_experts:
+        local_experts = c.s.experts / c.par.local_experts_divisor
+        experts = local_experts * c.s.fc1_factor * c.s.moe_ffn_hidden * c.s.hidden * FP8_128X128_BYTES
+    return linear, max(linear, experts)
+
+
+def _attention_heads(c: Ctx) -> tuple[float, int]:
+    """(heads on this GPU, value head dim) of the core attention."""
+    return c.s.heads / c.par.tp, c.s.v_head_dim if c.s.mla else c.s.head_dim
+
+
+def _unfused_attention_backward(c: Ctx) -> float:
+    """Besides what the recompute restores (the probabilities, the mask), Megatron's unfused
+    attention backward holds three more [b, heads, s, s] tensors in the model dtype (traced at the
+    masked-fill backward: AsStridedBackward0's new_zeros, CopySlices' new_empty_strided and clone,
+    MaskedFillBackward0's clone; the scores live in the kept global buffer, softmax's output is
+    freed by then) and these gradients in flight: the layer output's (residual stream), the core
+    attention output's (the output projection's dgrad), the value's, and under core_attn recompute
+    the recomputed core attention output, held until the checkpoint's backward returns."""
+    b, s = c.s.micro_batch, c.s.seq_length // c.par.cp
+    heads, v_dim = _attention_heads(c)
+    scores = 3 * b * heads * s * s * c.p.model_bytes
+    per_head_tensors = 3 if "core_attn" in c.rc else 2
+    gradients = c.resid * c.s.hidden * c.p.model_bytes + per_head_tensors * c.tokens * heads * v_dim * c.p.model_bytes
+    return scores + gradients
+
+
 def backward_working_set(c: Ctx, kind: str) -> float:
-    """Extra memory while one layer runs its backward: what its recompute brings back (everything it
-    would save without recompute, minus what it saved), plus two of its largest tensors (a gradient
-    being produced while the gradient it is computed from is alive; for an MoE layer the combine /
-    dispatch all-to-all's send and receive buffers in the model dtype are at least as large)."""
-    saved = layer(c, kind)
-    full = layer(c.with_recompute(NONE), kind)
-    largest = max(full.values())
-    extra = 0.0
+    """Extra memory while one layer runs its backward, on top of every saved activation: the larger
+    of its two phases. The MLP backward (first): what its recompute restores plus two of its largest
+    MLP tensors (a gradient being produced while the gradient it is computed from is alive; for an
+    MoE layer the combine / dispatch all-to-all's send and receive buffers in the model dtype are at
+    least as large). The attention backward (after it, the MLP's saved tensors freed): what its
+    recompute restores plus, for unfused attention, its score-sized buffers and gradients in flight
+    (_unfused_attention_backward), for fused attention two of its largest tensors."""
+    full_attention, full_mlp = _parts(c.with_recompute(NONE), kind)
+    restored_attention, restored_mlp = _restored(c, kind)
+    weight_attention, weight_mlp = _weight_in_use(c, kind)
+    largest_mlp = max(full_mlp.values())
     if kind == MOE:
-        largest = max(largest, expert_rows(c) * c.s.hidden * c.p.model_bytes)
-        if c.p.weights_per_use and c.p.fp8_experts:  # all local experts' fc1 weights in FP8 at once (one launch)
-            local_experts = c.s.experts / c.par.local_experts_divisor
-            extra = local_experts * c.s.fc1_factor * c.s.moe_ffn_hidden * c.s.hidden * FP8_128X128_BYTES
-    if c.p.weights_per_use:  # one FP8 linear's weight at a time (the FP8 roles' largest; none: 0)
-        shapes = fp8_linear_shapes(c.s, kind, c.p.fp8_linear_roles)
-        extra = max(extra, max(map(fp8_linear_copy_elements, shapes), default=0) * FP8_128X128_BYTES)
-    return sum(full.values()) - sum(saved.values()) + 2 * largest + extra
+        largest_mlp = max(largest_mlp, expert_rows(c) * c.s.hidden * c.p.model_bytes)
+    mlp_phase = restored_mlp + 2 * largest_mlp + weight_mlp
+    if c.s.fused_attention:
+        attention_buffers = 2 * max(full_attention.values())
+    else:
+        attention_buffers = _unfused_attention_backward(c)
+    mlp_freed = 0.0 if c.rc.granularity == "full" else sum(_parts(c, kind)[1].values())
+    attention_phase = restored_attention + attention_buffers + weight_attention - mlp_freed
+    return max(mlp_phase, attention_phase)

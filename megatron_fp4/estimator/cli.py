@@ -29,8 +29,10 @@ Memory per GPU, on the pipeline rank with the largest peak:
   activ      saved activations of the micro-batches the pipeline schedule holds at its worst
              point (an inventory of Megatron-Core's saved tensors per layer, less what
              recompute_modules recomputes)
-  transient  one layer's backward working set (what its recompute restores + two of its largest
-             tensors), the logits during the loss, persistent attention buffers
+  transient  one layer's backward working set (its MLP or attention backward: what that recompute
+             restores + two of its largest tensors, or unfused attention's score-sized buffers and
+             gradients; less what the backward has freed by then), the logits during the loss,
+             persistent attention buffers
   peak       the sum, in GiB (2^30 bytes): comparable with Megatron's "max allocated", not with
              "reserved" (the caching allocator holds a few % more); % GPU and fits compare it
              with the config's cluster.gpu_memory_gib.

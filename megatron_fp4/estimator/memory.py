@@ -3,9 +3,11 @@ micro-batches it holds at the worst point of the schedule + a transient allowanc
 the rank with the largest peak.
 
 Transient allowance (one rule for every config, derived from the same inventory, not tuned):
-while a layer runs its backward, what its recompute brought back plus two of its largest tensors
-(activations.backward_working_set), for the worst layer on the rank; on the rank that computes the
-loss, also the logits in the model dtype while the cross entropy holds its fp32 copy.
+while a layer runs its backward, its MLP or attention backward's working set
+(activations.backward_working_set), less what the chunk's backward has freed before it (the head's,
+the later layers' saved tensors; memory._backward_transient), for the worst layer on the rank; on
+the rank that computes the loss, also the logits in the model dtype while the cross entropy holds
+its fp32 copy.
 """
 
 from dataclasses import dataclass, field
@@ -66,26 +68,47 @@ def chunk_activations(c: act.Ctx, chunk) -> dict[str, float]:
     return out
 
 
-def _layer_kinds(c: act.Ctx, chunk) -> set:
-    kinds = set()
-    for kind, _ in chunk:
-        if kind in (DENSE, MOE):
-            kinds.add(kind)
-        elif kind == MTP:
-            kinds.add(MOE if c.s.mtp_is_moe else DENSE)
-    return kinds
+def _layer_kind(c: act.Ctx, kind: str) -> str | None:
+    """The transformer layer a chunk entry runs (an MTP layer's is dense or MoE), or None."""
+    if kind == MTP:
+        return MOE if c.s.mtp_is_moe else DENSE
+    return kind if kind in (DENSE, MOE) else None
 
 
-def chunk_transients(c: act.Ctx, chunk, saved: dict[str, float]) -> tuple:
-    """(at the end of a forward, during a backward) of this chunk: the worst layer's backward
-    working set; with the loss, the model-dtype logits during the cross entropy (forward and the
-    start of backward), after which the head's saved tensors are gone before the layers' backward."""
-    layers = max((act.backward_working_set(c, k) for k in _layer_kinds(c, chunk)), default=0.0)
+def _backward_transient(c: act.Ctx, chunk) -> float:
+    """The largest layer backward working set of the chunk, less what its backward has freed by
+    then: the chunk runs backward from its end, the head's saved tensors go first, an MTP layer's
+    final-norm input before its transformer layer, and each layer's saved tensors after it, so the
+    first layer in backward order usually sets the peak. While MTP layers run backward, the hidden
+    states' gradient waits (act.mtp_hidden_gradient)."""
+    working_set, saved = {}, {}
+    freed = worst = 0.0
+    for kind, _ in reversed(chunk):
+        if kind == LOSS:
+            freed += sum(act.head(c, 1 + c.s.mtp_layers).values())
+        layer_kind = _layer_kind(c, kind)
+        if layer_kind is None:
+            continue
+        if layer_kind not in working_set:
+            working_set[layer_kind] = act.backward_working_set(c, layer_kind)
+            saved[layer_kind] = sum(act.layer(c, layer_kind).values())
+        extras = act.mtp_extras(c) if kind == MTP else {}
+        freed += extras.pop("mtp_final_norm_in", 0.0)  # the MTP final norm's backward runs first
+        waiting = act.mtp_hidden_gradient(c) if kind == MTP else 0.0
+        worst = max(worst, working_set[layer_kind] + waiting - freed)
+        freed += saved[layer_kind] + sum(extras.values())
+    return worst
+
+
+def chunk_transients(c: act.Ctx, chunk) -> tuple:
+    """(at the end of a forward, during a backward) of this chunk: the layers' backward working set
+    (_backward_transient); with the loss, the model-dtype logits during the cross entropy (forward
+    and the start of backward)."""
+    layers = _backward_transient(c, chunk)
     if not any(kind == LOSS for kind, _ in chunk):
         return 0.0, layers
     logits = act.logits_transient(c)
-    head_saved = sum(v for k, v in saved.items() if k.startswith("head."))
-    return logits, max(logits, layers - head_saved)
+    return logits, max(logits, layers)
 
 
 def rank_memory(args, c: act.Ctx, rank: int, workspace: float) -> RankMemory:
@@ -93,7 +116,7 @@ def rank_memory(args, c: act.Ctx, rank: int, workspace: float) -> RankMemory:
     chunks = par.chunks[rank]
     parts = [chunk_activations(c, chunk) for chunk in chunks]
     chunk_bytes = [sum(p.values()) for p in parts]
-    extras = [chunk_transients(c, chunk, part) for chunk, part in zip(chunks, parts)]
+    extras = [chunk_transients(c, chunk) for chunk in chunks]
     held_bytes, transient, held = peak_held(
         chunk_bytes, par.pp, rank, microbatches_per_step(s, par),
         getattr(args, "microbatch_group_size_per_vp_stage", None) or par.pp,
