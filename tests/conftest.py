@@ -17,13 +17,29 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU-only machines such as CI)")
 
 
+RANK_PROCESSES = "rank_processes"  # the xdist group of tests/distributed/
+
+
 def pytest_collection_modifyitems(config, items):
+    _group_for_two_workers(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _group_for_two_workers(items) -> None:
+    """Units of work for pytest-xdist's --dist loadgroup (the README's command): each file is one
+    unit, so that its module fixtures run once, except tests/distributed/, whose tests each start a
+    pair of rank processes: one unit, handed out first, so that one worker runs those pairs one
+    after another while the other worker takes every other file (two pairs at once would only
+    share the two CPU cores)."""
+    for item in items:
+        distributed = item.path.parent.name == "distributed"
+        item.add_marker(pytest.mark.xdist_group(RANK_PROCESSES if distributed else str(item.path)))
+    items.sort(key=lambda item: item.path.parent.name != "distributed")  # stable: the rest keep their order
 
 
 @pytest.fixture

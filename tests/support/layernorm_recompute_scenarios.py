@@ -1,4 +1,4 @@
-"""The FP8 linears under Megatron's layernorm recompute (tests/integration/test_layernorm_recompute.py),
+"""The FP8 linears under Megatron's layernorm recompute (tests/distributed/test_layernorm_recompute.py),
 run by both ranks of run_on_two_ranks, each on its own (Megatron's recompute asks for CUDA RNG
 states: on the CPU torch.cuda is emulated). A dense transformer layer of the whole FP4 recipe with
 --recompute-modules layernorm: the layers reading a layernorm's output keep it by reference. With
