@@ -45,6 +45,16 @@ class LinearRole(enum.StrEnum):
     SHARED_EXPERTS = "shared_experts"
 
 
+# Megatron's selective-recompute modules that re-run a role's layers (`moe` checkpoints the whole
+# MoE layer, shared experts included); full recompute re-runs every role.
+RECOMPUTED_BY = {
+    LinearRole.ATTENTION: frozenset(),
+    LinearRole.MLA_UP_PROJECTION: frozenset({"mla_up_proj"}),
+    LinearRole.DENSE_MLP: frozenset({"mlp"}),
+    LinearRole.SHARED_EXPERTS: frozenset({"shared_experts", "moe"}),
+}
+
+
 class Storage(enum.StrEnum):
     """Where activations saved for backward are kept in MXFP4."""
 
@@ -170,7 +180,8 @@ FLAGS = (
          "experts): bf16 (Megatron's own) or fp8 (ours: FP8 GEMMs with 1x128 activation / 128x128 weight "
          "power-of-two scales on SM90, weights quantized once per optimizer step, each saved input kept as FP8 "
          "1x128 columns for the weight gradient, except a layernorm output that Megatron recomputes "
-         "(--recompute-modules layernorm), which is kept by reference and costs nothing; the same parameters and "
+         "(--recompute-modules layernorm, outside the layer's own module recompute), which is kept by reference "
+         "and costs nothing; the same parameters and "
          "checkpoint keys as Megatron's local "
          "linears). Tensor parallelism 1 and --transformer-impl local only.", LinearsPrecision),
     Flag("storage", "Where activations kept for backward are stored in MXFP4: experts (inside the routed FP8 "
@@ -178,7 +189,8 @@ FLAGS = (
          "also the saved input of every FP8 linear and the SwiGLU inputs of the dense MLP and shared experts). "
          "Modules that Megatron recomputes "
          "(--recompute-modules mla_up_proj, mlp, shared_experts, moe, or full recompute) keep FP8 / BF16 there: "
-         "nothing inside a recomputation is stored in FP4.", Storage),
+         "nothing inside a recomputation is stored in FP4; under --recompute-modules layernorm the layers that "
+         "read a layernorm's output keep it by reference instead, storing nothing.", Storage),
     Flag("bf16_linears", "With --moe-fp4-linears fp8: the roles whose linear layers stay Megatron's own BF16 ones "
          "(attention: the qkv or MLA q/kv down-projections and the output projection; mla_up_proj: MLA's q and kv "
          "up-projections; mlp: the dense MLP; shared_experts), with their inputs and SwiGLU inputs saved in BF16 "

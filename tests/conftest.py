@@ -13,15 +13,18 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+RANK_PROCESSES = "rank_processes"  # the xdist group of tests/distributed/
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU-only machines such as CI)")
 
 
-RANK_PROCESSES = "rank_processes"  # the xdist group of tests/distributed/
-
-
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns xdist_group marks into test ids
 def pytest_collection_modifyitems(config, items):
-    _group_for_two_workers(items)
+    # pytest-xdist's workers, which collect, see --dist loadgroup as this flag (dist reads "no" there).
+    if getattr(config.option, "loadgroup", False):
+        _group_for_two_workers(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -31,14 +34,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _group_for_two_workers(items) -> None:
-    """Units of work for pytest-xdist's --dist loadgroup (the README's command): each file is one
-    unit, so that its module fixtures run once, except tests/distributed/, whose tests each start a
-    pair of rank processes: one unit, handed out first, so that one worker runs those pairs one
-    after another while the other worker takes every other file (two pairs at once would only
-    share the two CPU cores)."""
+    """Units of work for pytest-xdist's --dist loadgroup (the README's command, with
+    --no-loadscope-reorder so that units go out in this order): each file is one unit, so that its
+    module fixtures run once, except tests/distributed/, whose tests each start a pair of rank
+    processes: one unit, first, so that one worker runs those pairs one after another while the
+    other worker takes every other file (two pairs at once would only share the two CPU cores)."""
     for item in items:
         distributed = item.path.parent.name == "distributed"
-        item.add_marker(pytest.mark.xdist_group(RANK_PROCESSES if distributed else str(item.path)))
+        item.add_marker(pytest.mark.xdist_group(RANK_PROCESSES if distributed else item.nodeid.split("::", 1)[0]))
     items.sort(key=lambda item: item.path.parent.name != "distributed")  # stable: the rest keep their order
 
 

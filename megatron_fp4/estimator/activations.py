@@ -27,7 +27,7 @@ Each function returns {component: bytes}; `recompute` drops what Megatron recomp
 
 from dataclasses import dataclass
 
-from ..options import LinearRole
+from ..options import RECOMPUTED_BY, LinearRole
 from .params import fp8_linear_copy_elements, fp8_linear_shapes
 from .precision import FP8_1X128_BYTES, FP8_128X128_BYTES, MXFP4_BYTES, Precision
 from .recompute import NONE, Recompute
@@ -68,10 +68,10 @@ class Ctx:
         return self.storage_rc or self.rc
 
     def role_recomputed(self, role: LinearRole) -> bool:
-        """Whether the run recomputes `role`'s module (the role names its selective recompute
-        module; `moe` recompute covers the shared experts too; full recompute covers all)."""
+        """Whether the run recomputes `role`'s module (options.RECOMPUTED_BY, the plugin's own rule;
+        full recompute covers all)."""
         rc = self.run_recompute
-        return rc.granularity == "full" or role in rc or (role == SHARED and "moe" in rc)
+        return rc.granularity == "full" or any(module in rc for module in RECOMPUTED_BY[role])
 
     def fp4_stored(self, role: LinearRole) -> bool:
         """Whether `role`'s linear inputs and SwiGLU input are kept in MXFP4 (--moe-fp4-storage all,

@@ -62,8 +62,10 @@ def use_fp8_linears(spec, options: FP4Options):
     def swap(node):
         linears = _ATTENTION_LINEARS.get(type(node))
         if linears is not None:
-            if getattr(node, "linear_qkv_down_proj", None) is not None:
-                _refuse("MLA projections (separate q and kv down-projections)", node.linear_qkv_down_proj)
+            if (getattr(node, "linear_qkv_down_proj", None) is not None
+                    and options.fp8_linear(LinearRole.ATTENTION)):
+                _refuse("MLA projections (separate q and kv down-projections, not the fused linear_qkv_down_proj)",
+                        node.linear_qkv_down_proj)
             for name, (column, role, reads_layernorm_output) in linears.items():
                 current = getattr(node, name)
                 if current is None or not options.fp8_linear(role):

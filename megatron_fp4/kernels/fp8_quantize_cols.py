@@ -1,5 +1,6 @@
 """BF16 / FP16 / FP32 rows of ragged expert segments -> X^T in FP8 E4M3 with 1x128 blocks along
-tokens: the gradient operand of the expert wgrad GEMM, written in one pass.
+tokens: the gradient operand of the expert wgrad GEMM, written in one launch (read in one or two
+passes over each 128-token block, by tile config).
 
 Each 128-token block of an expert's segment takes, per hidden column, the smallest power-of-two
 scale with amax / scale <= 448 (never below 2^-126), as the row quantizer does along rows. A block
@@ -29,12 +30,14 @@ from ._transposed_tiles import load_slice, quad_columns, store_column_words
 # vectors. Fully unrolled, the two-pass candidates issue 17-19 SASS instructions per element
 # against 24 for one pass (whose 128-row reductions take more shuffles), but rely on the re-read
 # hitting L2. The sweep's candidates (benchmarks/bench_quantizers.py); the default (first) was the
-# fastest on H200 at 16384 x 7168, 32 ragged experts (63.8% of the copy; one pass 45.9%).
+# fastest on H200 at 16384 x 7168, 32 ragged experts (63.8% of the copy; one pass, kept as the
+# reference, 45.9%; 64x32 and 32x64 on 8 warps 53.2% and 48.7%, dropped). Smaller programs did
+# better, so the next sweep tries two smaller ones.
 CONFIGS = (
     TileConfig(block_rows=32, block_cols=32, num_warps=4),
+    TileConfig(block_rows=16, block_cols=64, num_warps=4),
+    TileConfig(block_rows=32, block_cols=16, num_warps=2),
     TileConfig(block_rows=FP8_BLOCK, block_cols=16, num_warps=8),
-    TileConfig(block_rows=64, block_cols=32, num_warps=8),
-    TileConfig(block_rows=32, block_cols=64, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]
 

@@ -11,7 +11,8 @@ from ..run_config import GPU_MEMORY_CAP_ENV
 from .installed import HAVE_APEX, HAVE_APEX_GRAD_ACCUM, HAVE_FUSED_SOFTMAX, HAVE_TE
 from .refusal import check_args
 from .telemetry_log import install as install_telemetry_log
-from .workarounds import NO_EVALUATION_INTERVAL, escape_percent_in_help
+from .workarounds import (NO_EVALUATION_INTERVAL, escape_percent_in_help,
+                          recompute_without_output_without_transformer_engine)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -80,10 +81,12 @@ def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
     """Megatron's parse_and_validate_args (same arguments) with our flags added, then our
     validation: a configuration the plugin refuses stops the run with one sentence and exit
     status 2, before Megatron initializes anything on the GPU. With --moe-fp4-telemetry, Megatron's
-    training log reports the telemetry (telemetry_log)."""
+    training log reports the telemetry (telemetry_log). Without Transformer Engine, Megatron's
+    layernorm recompute gets the fix the launcher applies (workarounds.py)."""
     provider = _chain(add_arguments, extra_args_provider)
     check_before_megatron_validates(provider, ignore_unknown_args, args_defaults or {}, route)
     args = megatron_parse_and_validate_args(provider, ignore_unknown_args, args_defaults or {})
     check_args(args, route)
     install_telemetry_log(args)
+    recompute_without_output_without_transformer_engine()
     return args

@@ -59,7 +59,7 @@ def full_validation_of_one_set() -> None:
 
 
 def recompute_without_output_without_transformer_engine() -> None:
-    """Megatron 0.19.2's CheckpointWithoutOutput (--recompute-modules layernorm and moe_act, MLA's
+    """Megatron 0.18 and 0.19's CheckpointWithoutOutput (--recompute-modules layernorm and moe_act, MLA's
     up-projection recompute) sets `self.fp8 = fp8 is not None`, true for its default fp8=False, and
     then asks Transformer Engine's FP8GlobalStateManager in forward: a NameError when Transformer
     Engine is not installed, for BF16 runs too. Without Transformer Engine there is no FP8 autocast

@@ -16,30 +16,20 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from ..experts.weight_cache import FP8WeightCache
 from ..formats import FP8_BLOCK
-from ..options import FP4Options, LinearRole, ModelSettings, Route, Storage, UnsupportedConfiguration, validate
+from ..options import (RECOMPUTED_BY, FP4Options, LinearRole, ModelSettings, Route, Storage, UnsupportedConfiguration,
+                       validate)
 from ..recompute_scope import recomputed_by, selectively_recomputed
 from .function import FP8LinearFunction, LinearCall, SavedInput
-
-
-# Selective-recompute modules that re-run a role's layers (`moe` checkpoints the whole MoE layer,
-# shared experts included).
-_RECOMPUTED_BY = {
-    LinearRole.ATTENTION: frozenset(),
-    LinearRole.MLA_UP_PROJECTION: frozenset({"mla_up_proj"}),
-    LinearRole.DENSE_MLP: frozenset({"mlp"}),
-    LinearRole.SHARED_EXPERTS: frozenset({"shared_experts", "moe"}),
-}
 
 
 def saved_input(options: FP4Options, role: LinearRole, config, reads_layernorm_output: bool = False) -> SavedInput:
     """How a linear layer of `role` keeps its input for the weight gradient; `reads_layernorm_output`:
     its input is the output of the layer's input or pre-MLP layernorm."""
-    if recomputed_by(_RECOMPUTED_BY[role], config):
+    if recomputed_by(RECOMPUTED_BY[role], config):
         return SavedInput.FP8  # inside a recomputation: nothing inexact in FP4, and only until its backward
     if reads_layernorm_output and selectively_recomputed("layernorm", config):
         return SavedInput.ORIGINAL
     return SavedInput.MXFP4 if options.storage is Storage.ALL else SavedInput.FP8
-
 
 
 def _check_layer(kind: str, input_size: int, output_size: int, bias: bool, name: Optional[str]) -> None:

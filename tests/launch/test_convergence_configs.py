@@ -27,7 +27,7 @@ PRECISION = {  # the FP4 flags each run config must put on the command line
 # The FP8 linears' ablation by role: the FP8 and FP4 configs with some roles left to BF16.
 for _precision in ("fp8", "fp4"):
     PRECISION[f"{_precision}_bf16_attention"] = {**PRECISION[_precision], "--moe-fp4-bf16-linears": "attention"}
-    PRECISION[f"{_precision}_bf16_mlps"] = {**PRECISION[_precision], "--moe-fp4-bf16-linears": "mlp"}
+    PRECISION[f"{_precision}_bf16_mlps"] = {**PRECISION[_precision], "--moe-fp4-bf16-linears": "mlp shared_experts"}
 
 
 def test_every_config_is_listed():
@@ -52,7 +52,10 @@ def test_dry_run(config, monkeypatch, tmp_path, capsys):
     for flag in ("--hidden-size", "--ffn-hidden-size", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"):
         assert int(words[words.index(flag) + 1]) % 128 == 0, flag
     for flag, value in PRECISION[config.stem].items():
-        assert flag in words and (value is True or words[words.index(flag) + 1] == value), flag
+        values = value.split() if isinstance(value, str) else []  # a list flag's every value follows it
+        at = words.index(flag) + 1 if flag in words else None
+        assert at is not None and (value is True or words[at:at + len(values)] == values), flag
+        assert value is True or at + len(values) == len(words) or words[at + len(values)].startswith("--"), flag
     if "--moe-fp4-dispatch" not in PRECISION[config.stem]:
         assert "--moe-fp4-dispatch" not in words
 

@@ -35,10 +35,16 @@ def _dense_layer(storage: str, recompute_modules):
 
 
 def _forward_backward(layer, hidden, grad):
+    """The output and gradients, and how many tensors saved for backward had no storage between
+    forward and backward (emptied by Megatron's layernorm recompute, refilled before their use)."""
     x = hidden.clone().requires_grad_(True)
-    out, _ = layer(x, attention_mask=None)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, _ = layer(x, attention_mask=None)
+    emptied = sum(1 for t in saved if t.untyped_storage().nbytes() == 0)
     out.backward(grad)
-    return {"output": out.detach(), "input grad": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    results = {"output": out.detach(), "input grad": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    return results, emptied
 
 
 def run(rank: int, scratch: str) -> None:
@@ -63,7 +69,10 @@ def run(rank: int, scratch: str) -> None:
             saved = {name: m.fp8.saved for name, m in recomputed.named_modules() if hasattr(m, "fp8")}
             assert saved == {"self_attention.linear_qkv": SavedInput.ORIGINAL, "self_attention.linear_proj": inexact_saved,
                              "mlp.linear_fc1": SavedInput.ORIGINAL, "mlp.linear_fc2": inexact_saved}, saved
-            expected, found = _forward_backward(plain, hidden, grad), _forward_backward(recomputed, hidden, grad)
+            (expected, emptied_plain), (found, emptied) = (_forward_backward(plain, hidden, grad),
+                                                           _forward_backward(recomputed, hidden, grad))
+            # The two layernorm outputs, kept by qkv and fc1 and nobody else: stored nowhere in between.
+            assert (emptied_plain, emptied) == (0, 2), (storage, emptied_plain, emptied)
             differing = [name for name in expected if not torch.equal(expected[name], found[name])]
             assert differing == differing_expected, f"storage {storage}: differ under layernorm recompute: {differing}"
     finally:
