@@ -1,5 +1,5 @@
 """The FP8 linears under Megatron's layernorm recompute (tests/distributed/test_layernorm_recompute.py),
-run by both ranks of run_on_two_ranks, each on its own (Megatron's recompute asks for CUDA RNG
+run by the two ranks of run_on_two_ranks, one storage each (Megatron's recompute asks for CUDA RNG
 states: on the CPU torch.cuda is emulated). A dense transformer layer of the whole FP4 recipe with
 --recompute-modules layernorm: the layers reading a layernorm's output keep it by reference. With
 FP8-saved inputs the output and every gradient equal those of the same layer without the recompute,
@@ -61,19 +61,20 @@ def run(rank: int, scratch: str) -> None:
         g = torch.Generator().manual_seed(rank)
         hidden = torch.randn(TOKENS, BATCH, HIDDEN, generator=g).bfloat16()
         grad = torch.randn(TOKENS, BATCH, HIDDEN, generator=g).bfloat16()
-        for storage, inexact_saved, differing_expected in (
-                ("experts", SavedInput.FP8, []),
-                ("all", SavedInput.MXFP4, ["self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"])):
-            plain, recomputed = _dense_layer(storage, None), _dense_layer(storage, ["layernorm"])
-            assert recomputed.recompute_input_layernorm and recomputed.recompute_pre_mlp_layernorm
-            saved = {name: m.fp8.saved for name, m in recomputed.named_modules() if hasattr(m, "fp8")}
-            assert saved == {"self_attention.linear_qkv": SavedInput.ORIGINAL, "self_attention.linear_proj": inexact_saved,
-                             "mlp.linear_fc1": SavedInput.ORIGINAL, "mlp.linear_fc2": inexact_saved}, saved
-            (expected, emptied_plain), (found, emptied) = (_forward_backward(plain, hidden, grad),
-                                                           _forward_backward(recomputed, hidden, grad))
-            # The two layernorm outputs, kept by qkv and fc1 and nobody else: stored nowhere in between.
-            assert (emptied_plain, emptied) == (0, 2), (storage, emptied_plain, emptied)
-            differing = [name for name in expected if not torch.equal(expected[name], found[name])]
-            assert differing == differing_expected, f"storage {storage}: differ under layernorm recompute: {differing}"
+        # One storage per rank, so that the two cases run side by side.
+        storage, inexact_saved, differing_expected = (
+            ("experts", SavedInput.FP8, []),
+            ("all", SavedInput.MXFP4, ["self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"]))[rank]
+        plain, recomputed = _dense_layer(storage, None), _dense_layer(storage, ["layernorm"])
+        assert recomputed.recompute_input_layernorm and recomputed.recompute_pre_mlp_layernorm
+        saved = {name: m.fp8.saved for name, m in recomputed.named_modules() if hasattr(m, "fp8")}
+        assert saved == {"self_attention.linear_qkv": SavedInput.ORIGINAL, "self_attention.linear_proj": inexact_saved,
+                         "mlp.linear_fc1": SavedInput.ORIGINAL, "mlp.linear_fc2": inexact_saved}, saved
+        (expected, emptied_plain), (found, emptied) = (_forward_backward(plain, hidden, grad),
+                                                       _forward_backward(recomputed, hidden, grad))
+        # The two layernorm outputs, kept by qkv and fc1 and nobody else: stored nowhere in between.
+        assert (emptied_plain, emptied) == (0, 2), (storage, emptied_plain, emptied)
+        differing = [name for name in expected if not torch.equal(expected[name], found[name])]
+        assert differing == differing_expected, f"storage {storage}: differ under layernorm recompute: {differing}"
     finally:
         parallel_state.destroy_model_parallel()
