@@ -100,6 +100,8 @@ def _catalogue() -> Dict[str, Run]:
     # The FP8 linears by role: attention, or the dense MLP and shared expert, left to BF16.
     runs += [Run(f"{precision}_bf16_{role}", f"{precision}_bf16_{role}", first)
              for precision in ("fp8", "fp4") for role in ("attention", "mlps")]
+    # The FP8 linears' backward GEMMs in BF16.
+    runs += [Run(f"{precision}_bf16_grads", f"{precision}_bf16_grads", first) for precision in ("fp8", "fp4")]
     return {run.name: run for run in runs}
 
 

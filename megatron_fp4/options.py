@@ -87,6 +87,7 @@ class FP4Options:
     linears: LinearsPrecision = LinearsPrecision.BF16
     storage: Storage = Storage.EXPERTS
     bf16_linears: FrozenSet[LinearRole] = frozenset()  # roles --moe-fp4-linears fp8 leaves to Megatron
+    linears_grad: GradFormat = GradFormat.FP8  # the FP8 linears' backward GEMMs
     fused_attention: bool = False
 
     def __post_init__(self):
@@ -97,6 +98,7 @@ class FP4Options:
         object.__setattr__(self, "linears", LinearsPrecision(self.linears))
         object.__setattr__(self, "storage", Storage(self.storage))
         object.__setattr__(self, "bf16_linears", frozenset(LinearRole(r) for r in self.bf16_linears))
+        object.__setattr__(self, "linears_grad", GradFormat(self.linears_grad))
 
     @property
     def active(self) -> bool:
@@ -196,6 +198,13 @@ FLAGS = (
          "up-projections; mlp: the dense MLP; shared_experts), with their inputs and SwiGLU inputs saved in BF16 "
          "as Megatron saves them, also under --moe-fp4-storage all. Default: none, every role FP8.",
          LinearRole, many=True),
+    Flag("linears_grad", "With --moe-fp4-linears fp8: the gradients of those layers' backward GEMMs: fp8 (the "
+         "gradient in E4M3 1x128 blocks, the input gradient against the FP8 weight, the weight gradient against "
+         "the FP8 saved input) or bf16 (the gradient unquantized: both backward GEMMs in BF16, against the BF16 "
+         "weight and the saved input dequantized to BF16, exactly its FP8 or MXFP4 values). The forward and what "
+         "is saved stay as they are; bf16 costs backward time (two of the three GEMMs in BF16) and, during each "
+         "layer's backward, a BF16 copy of its saved input. For convergence comparisons (docs/convergence.md).",
+         GradFormat),
     Flag("weights_per_use", "With --moe-fp4-experts fp8 or --moe-fp4-linears fp8: quantize the weights to FP8 at "
          "every use instead of once per optimizer step. The default keeps two FP8 copies (plain and transposed, "
          "128x128 blocks) of each FP8 layer's weight from the step's first forward to the next step's, about 2 bytes per "
@@ -404,6 +413,10 @@ REFUSALS = (
             lambda o, m, e, r: o.bf16_linears == frozenset(LinearRole),
             "--moe-fp4-bf16-linears names every role, which leaves no FP8 linear layer: drop --moe-fp4-linears fp8 "
             "and --moe-fp4-bf16-linears instead."),
+    Refusal("--moe-fp4-linears-grad bf16 without FP8 linears",
+            lambda o, m, e, r: o.linears_grad is GradFormat.BF16 and not _fp8_linears(o),
+            "--moe-fp4-linears-grad is about the backward of --moe-fp4-linears fp8: add --moe-fp4-linears fp8 or "
+            "drop it."),
     Refusal("--moe-fp4-storage all without FP8 linears and FP8 experts",
             lambda o, m, e, r: o.storage is Storage.ALL and not (_fp8_linears(o) and _fp8_experts(o)),
             "--moe-fp4-storage all is the paper's whole recipe: it needs --moe-fp4-linears fp8 and "

@@ -28,6 +28,7 @@ from ..experts.segments import ExpertSegments
 from ..experts.weight_cache import FP8WeightCache
 from ..formats import FP8_BLOCK
 from ..main_grad import added_to_main_grad, fused_main_grads
+from ..options import GradFormat
 from ..tensors import FP8BlockTensor, MXFP4Tensor
 
 
@@ -51,6 +52,7 @@ class LinearCall:
     accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
     backward_follows: bool  # False: a no-grad forward saves nothing
     weight_cache: Optional[FP8WeightCache]  # the module's FP8 weights for the step; None: per use
+    grad_format: GradFormat = GradFormat.FP8  # BF16: both backward GEMMs in BF16 (--moe-fp4-linears-grad)
 
 
 def padded_features(n: int) -> int:
@@ -102,6 +104,8 @@ class FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         call, segments = ctx.call, ctx.segments
+        if call.grad_format is GradFormat.BF16:
+            return (None,) + _bf16_backward(ctx, call, grad_output)
         weight = ctx.saved_tensors[0]
         out_features = weight.shape[0]
         dtype = grad_output.dtype
@@ -114,6 +118,38 @@ class FP8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_weight = _weight_gradient(call, segments, weight, *_wgrad_operands(ctx, call, segments, grad2d), dtype)
         return None, grad_input, grad_weight
+
+
+def _bf16_backward(ctx, call: LinearCall, grad_output):
+    """(dX, dW) as BF16 GEMMs of the unquantized gradient, against the BF16 weight and the saved input
+    dequantized to BF16 (its FP8 or MXFP4 values, exactly)."""
+    weight = ctx.saved_tensors[0]
+    grad2d = grad_output.reshape(-1, weight.shape[0])
+    grad_input = grad_weight = None
+    if ctx.needs_input_grad[1]:
+        grad_input = (grad2d @ weight.to(grad2d.dtype)).view(*grad_output.shape[:-1], ctx.in_features)
+    if ctx.needs_input_grad[2]:
+        product = grad2d.t() @ _saved_input_bf16(ctx, call, grad2d.shape[0], grad2d.dtype)
+        main_grads = fused_main_grads([weight], call.accumulate_in_main_grad)
+        if main_grads is None:
+            grad_weight = product.to(weight.dtype)
+        else:
+            main_grads[0].add_(product)
+            grad_weight = added_to_main_grad(weight, grad2d.dtype)
+    return grad_input, grad_weight
+
+
+def _saved_input_bf16(ctx, call: LinearCall, tokens: int, dtype) -> torch.Tensor:
+    """The saved input as [tokens, in_features] in `dtype`, with the values it was saved with (the
+    dequantizers' BF16 holds FP8 and FP4 values exactly)."""
+    saved = ctx.saved_tensors[1:]
+    if call.saved is SavedInput.MXFP4:
+        values = K.dequantize_mxfp4(MXFP4Tensor(saved[0], ctx.in_features, call.scale_rule))
+    elif call.saved is SavedInput.ORIGINAL:
+        values = saved[0].reshape(tokens, ctx.in_features)
+    else:
+        values = K.dequantize_fp8(FP8BlockTensor.from_colwise_parts(saved))[:, :tokens].t()  # from [K, padded T]
+    return values.to(dtype)
 
 
 def _wgrad_operands(ctx, call: LinearCall, segments, grad2d):

@@ -16,7 +16,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from ..experts.weight_cache import FP8WeightCache
 from ..formats import FP8_BLOCK
-from ..options import (RECOMPUTED_BY, FP4Options, LinearRole, ModelSettings, Route, Storage, UnsupportedConfiguration,
+from ..options import (RECOMPUTED_BY, FP4Options, GradFormat, LinearRole, ModelSettings, Route, Storage,
+                       UnsupportedConfiguration,
                        validate)
 from ..recompute_scope import recomputed_by, selectively_recomputed
 from .function import FP8LinearFunction, LinearCall, SavedInput
@@ -58,6 +59,7 @@ class _FP8Settings:
     scale_rule: str
     accumulate_in_main_grad: bool
     weight_cache: Optional[FP8WeightCache] = field(default=None)
+    grad_format: GradFormat = GradFormat.FP8
 
     @classmethod
     def of(cls, options: FP4Options, role: LinearRole, config, reads_layernorm_output: bool = False) -> "_FP8Settings":
@@ -66,14 +68,15 @@ class _FP8Settings:
                              "its role in --moe-fp4-bf16-linears")
         validate(options, ModelSettings.from_config(config), None, Route.PLUGIN)
         return cls(saved_input(options, role, config, reads_layernorm_output), options.scale_rule.value,
-                   bool(config.gradient_accumulation_fusion), None if options.weights_per_use else FP8WeightCache())
+                   bool(config.gradient_accumulation_fusion), None if options.weights_per_use else FP8WeightCache(),
+                   options.linears_grad)
 
 
 def _fp8_forward(settings: _FP8Settings, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # Decided here: inside the autograd function grad mode is always off.
     backward_follows = torch.is_grad_enabled() and (input_.requires_grad or weight.requires_grad)
     call = LinearCall(settings.saved, settings.scale_rule, settings.accumulate_in_main_grad, backward_follows,
-                      settings.weight_cache)
+                      settings.weight_cache, settings.grad_format)
     return FP8LinearFunction.apply(call, input_, weight)
 
 

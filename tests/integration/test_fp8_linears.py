@@ -14,6 +14,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer import TransformerConfig
 
 import megatron_fp4.kernels as K
+from megatron_fp4 import reference as ref
 from megatron_fp4.integration import use_fp4
 from megatron_fp4.experts import FP8Experts
 from megatron_fp4.linears import (FP8ColumnParallelLinear, FP8LinearFunction, FP8RowParallelLinear, LinearCall,
@@ -21,7 +22,7 @@ from megatron_fp4.linears import (FP8ColumnParallelLinear, FP8LinearFunction, FP
                                   saved_input)
 from megatron_fp4.linears.swiglu import MXFP4SavedSwiGLUFunction
 from megatron_fp4.experts.weight_cache import FP8WeightCache
-from megatron_fp4.options import FP4Options, UnsupportedConfiguration
+from megatron_fp4.options import FP4Options, GradFormat, UnsupportedConfiguration
 
 from support.linear_reference import fp8_linear_oracle, swiglu_oracle
 
@@ -60,8 +61,8 @@ def _relative(actual, expected) -> float:
     return ((actual.double().cpu() - expected).norm() / expected.norm()).item()
 
 
-def _call(saved: SavedInput, cache=None, accumulate=False) -> LinearCall:
-    return LinearCall(saved, "ceil", accumulate, True, cache)
+def _call(saved: SavedInput, cache=None, accumulate=False, grad_format=GradFormat.FP8) -> LinearCall:
+    return LinearCall(saved, "ceil", accumulate, True, cache, grad_format)
 
 
 def _run(call, x, weight, grad, device):
@@ -104,6 +105,51 @@ def test_error_against_bf16_math_is_an_fp8_error(device):
     print({k.value: tuple(f"{e:.1e}" for e in v) for k, v in errors.items()})
     assert errors[SavedInput.FP8][0] == errors[SavedInput.MXFP4][0] < 0.06  # the same forward
     assert errors[SavedInput.FP8][1] < 0.06 < errors[SavedInput.MXFP4][1] < 0.25
+
+
+def _saved_values(saved: SavedInput, x2d: torch.Tensor) -> torch.Tensor:
+    """The values a layer keeps of its input for the weight gradient, [T, K] float64."""
+    if saved is SavedInput.MXFP4:
+        return ref.dequantize_mxfp4(ref.quantize_mxfp4(x2d, "ceil"), torch.float64)
+    if saved is SavedInput.FP8:
+        return ref.dequantize_fp8(ref.quantize_fp8_cols(x2d, [x2d.shape[0]]), torch.float64)[:, : x2d.shape[0]].t()
+    return x2d.double()
+
+
+@pytest.mark.parametrize("saved", list(SavedInput))
+@pytest.mark.parametrize("accumulate", [False, True], ids=["grad", "main_grad"])
+def test_bf16_gradients_are_bf16_products_of_the_saved_values(device, saved, accumulate):
+    """--moe-fp4-linears-grad bf16: the forward is the FP8 one bit for bit; dX = dY W and
+    dW = dY^T X_saved are BF16 GEMMs (fp32 accumulation, one BF16 rounding), X_saved the values the
+    layer kept (FP8 columns, MXFP4 or the input itself): against float64 products of the same operands
+    they are off by BF16 rounding only, far below the FP8 gradients' error."""
+    out_features = 192  # padded in the FP8 path, not in the BF16 one
+    x, weight, grad = _operands(out_features, seed=3)
+    fp8_out, fp8_grad_x, fp8_grad_w = _run(_call(saved), x, weight, grad, device)
+    call = _call(saved, accumulate=accumulate, grad_format=GradFormat.BF16)
+    if accumulate:
+        xr = x.to(device).detach().clone().requires_grad_(True)
+        param = torch.nn.Parameter(weight.to(device))
+        param.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+        param.grad_added_to_main_grad = False
+        out = FP8LinearFunction.apply(call, xr, param)
+        out.backward(grad.to(device))
+        assert param.grad_added_to_main_grad
+        grad_x, grad_w = xr.grad, param.main_grad
+    else:
+        out, grad_x, grad_w = _run(call, x, weight, grad, device)
+    assert torch.equal(out, fp8_out)
+    grad2d, x2d = grad.reshape(-1, out_features).double(), x.reshape(-1, HIDDEN)
+    exact_grad_x = grad2d @ weight.double()
+    exact_grad_w = grad2d.t() @ _saved_values(saved, x2d)
+    errors = {"input grad": _relative(grad_x.reshape(-1, HIDDEN), exact_grad_x),
+              "weight grad": _relative(grad_w, exact_grad_w),
+              "fp8 input grad": _relative(fp8_grad_x.reshape(-1, HIDDEN), exact_grad_x),
+              "fp8 weight grad": _relative(fp8_grad_w, exact_grad_w)}
+    print({k: f"{v:.1e}" for k, v in errors.items()})
+    # One BF16 rounding of each product: relative RMS about 2^-9 / sqrt(3); the FP8 gradients are ~3%.
+    assert errors["input grad"] < 3e-3 and errors["weight grad"] < 3e-3, errors
+    assert errors["fp8 input grad"] > 1e-2 and errors["fp8 weight grad"] > 1e-2, errors
 
 
 def test_saves_only_the_quantized_input(device):

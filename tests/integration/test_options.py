@@ -320,3 +320,14 @@ def test_bf16_linears_flag_parses_and_needs_fp8_linears_with_a_role_left():
         _check(_fp8_linears(moe_fp4_linears="bf16", moe_fp4_bf16_linears=["attention"]))
     with pytest.raises(UnsupportedConfiguration, match="names every role"):
         _check(_fp8_linears(moe_fp4_bf16_linears=[r.value for r in LinearRole]))
+
+
+def test_linears_grad_flag_parses_and_needs_fp8_linears():
+    assert FP4Options.from_args(_parse([])).linears_grad is GradFormat.FP8
+    args = _parse(["--moe-fp4-linears", "fp8", "--moe-fp4-linears-grad", "bf16"])
+    assert FP4Options.from_args(args).linears_grad is GradFormat.BF16
+    with pytest.raises(SystemExit):
+        _parse(["--moe-fp4-linears-grad", "fp4"])
+    _check(_fp8_linears(moe_fp4_linears_grad="bf16"))
+    with pytest.raises(UnsupportedConfiguration, match="add --moe-fp4-linears fp8"):
+        _check(_fp8_linears(moe_fp4_linears="bf16", moe_fp4_linears_grad="bf16"))

@@ -28,6 +28,7 @@ PRECISION = {  # the FP4 flags each run config must put on the command line
 for _precision in ("fp8", "fp4"):
     PRECISION[f"{_precision}_bf16_attention"] = {**PRECISION[_precision], "--moe-fp4-bf16-linears": "attention"}
     PRECISION[f"{_precision}_bf16_mlps"] = {**PRECISION[_precision], "--moe-fp4-bf16-linears": "mlp shared_experts"}
+    PRECISION[f"{_precision}_bf16_grads"] = {**PRECISION[_precision], "--moe-fp4-linears-grad": "bf16"}
 
 
 def test_every_config_is_listed():
