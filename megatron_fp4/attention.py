@@ -7,7 +7,12 @@ keep the output and the log-sum-exp and recompute the probabilities blockwise in
 kernel serves is torch's choice among the fused ones (aten sdp_utils.cpp): flash needs one head
 dimension for q, k and v, so MLA's q/k 192 and v 128 go to cuDNN (SM90, cuDNN 9.11 or later) or to
 memory-efficient attention. The math backend, which materializes the probabilities, is never
-enabled on CUDA; on the CPU (tests) it is the only one there is.
+enabled on CUDA; on the CPU (tests) torch's CPU flash kernel serves one head dimension, the math
+one the rest.
+
+The output handed to the output projection is a view of the output the kernel saves: an FP8
+output projection (linears.module.saved_by_its_producer) finds that in the autograd graph and
+keeps it by reference instead of storing a copy.
 """
 
 import math
@@ -23,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .options import UnsupportedConfiguration
 
 FUSED_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
+CPU_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH)  # tests: the plugin refuses to train without CUDA
 SERVED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 _FLAG = "--moe-fp4-fused-attention"
 
@@ -94,7 +100,7 @@ class FusedCoreAttention(MegatronModule):
         sq, b = query.shape[:2]
         causal = self._causal(mask_type, attention_mask, sq, key.shape[0])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
-        backends = list(FUSED_BACKENDS) if query.is_cuda else [SDPBackend.MATH]
+        backends = list(FUSED_BACKENDS if query.is_cuda else CPU_BACKENDS)
         try:
             with sdpa_kernel(backends):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.softmax_scale,
@@ -107,5 +113,6 @@ class FusedCoreAttention(MegatronModule):
                 f"{tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)} in {q.dtype} (torch's warnings "
                 "above say why each declined), and the math kernel would keep the probabilities it exists to "
                 "avoid.") from err
-        # [b, h, s, dv] -> [s, b, h * dv]: a view when b is 1 (the kernels write [b, s, h, dv]).
+        # [b, h, s, dv] -> [s, b, h * dv]: a view of what the fused kernels save, for any b (they
+        # write [b, s, h, dv] or q's [s, b, h, d] order: h and dv adjacent); the math kernel's copies.
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

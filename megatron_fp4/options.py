@@ -181,18 +181,20 @@ FLAGS = (
          "down/up and output projection, or standard attention's qkv and projection; the dense MLP; the shared "
          "experts): bf16 (Megatron's own) or fp8 (ours: FP8 GEMMs with 1x128 activation / 128x128 weight "
          "power-of-two scales on SM90, weights quantized once per optimizer step, each saved input kept as FP8 "
-         "1x128 columns for the weight gradient, except a layernorm output that Megatron recomputes "
-         "(--recompute-modules layernorm, outside the layer's own module recompute), which is kept by reference "
-         "and costs nothing; the same parameters and "
-         "checkpoint keys as Megatron's local "
-         "linears). Tensor parallelism 1 and --transformer-impl local only.", LinearsPrecision),
+         "1x128 columns for the weight gradient, except two kept by reference at no cost: a layernorm output "
+         "that Megatron recomputes (--recompute-modules layernorm, outside the layer's own module recompute) and "
+         "the output projection's input where --moe-fp4-fused-attention saves it for its own backward (not "
+         "under core_attn recompute); the same parameters and checkpoint keys as Megatron's local linears). "
+         "Tensor parallelism 1 and --transformer-impl local only.", LinearsPrecision),
     Flag("storage", "Where activations kept for backward are stored in MXFP4: experts (inside the routed FP8 "
          "experts only, fed from the MXFP4 dispatch: their SwiGLU and fc2 inputs) or all (the paper's recipe: "
          "also the saved input of every FP8 linear and the SwiGLU inputs of the dense MLP and shared experts). "
          "Modules that Megatron recomputes "
          "(--recompute-modules mla_up_proj, mlp, shared_experts, moe, or full recompute) keep FP8 / BF16 there: "
          "nothing inside a recomputation is stored in FP4; under --recompute-modules layernorm the layers that "
-         "read a layernorm's output keep it by reference instead, storing nothing.", Storage),
+         "read a layernorm's output keep it by reference instead, storing nothing, and so does the attention "
+         "output projection where --moe-fp4-fused-attention saves its input (not under core_attn recompute).",
+         Storage),
     Flag("bf16_linears", "With --moe-fp4-linears fp8: the roles whose linear layers stay Megatron's own BF16 ones "
          "(attention: the qkv or MLA q/kv down-projections and the output projection; mla_up_proj: MLA's q and kv "
          "up-projections; mlp: the dense MLP; shared_experts), with their inputs and SwiGLU inputs saved in BF16 "
@@ -213,7 +215,9 @@ FLAGS = (
          "standard and MLA self-attention) with torch's fused scaled-dot-product-attention kernels (flash, "
          "memory-efficient or cuDNN, never the math one) instead of the unfused DotProductAttention: backward keeps "
          "the output and its log-sum-exp, not the [b, heads, s, s] softmax probabilities (4 GiB per layer and "
-         "micro-batch at 128 heads and sequence 4096). For runs without Transformer Engine, such as "
+         "micro-batch at 128 heads and sequence 4096); an FP8 output projection (--moe-fp4-linears fp8) keeps "
+         "that same output by reference instead of a copy of its own, unless core_attn recompute runs the "
+         "attention without saving it. For runs without Transformer Engine, such as "
          "--moe-fp4-linears fp8; causal or unmasked attention without dropout."),
 )
 

@@ -11,7 +11,9 @@ on average what it sends). Dropout is 0 in these configs, so no masks are kept.
 
 Our FP8 linears (--moe-fp4-linears fp8: attention projections, MLA up-projections, dense MLP,
 shared experts) keep only their own copy of their input: FP8 1x128 (1 byte + one fp32 scale per 128
-elements), or MXFP4 (K/2 + K/32 bytes per row) under --moe-fp4-storage all, which also keeps the
+elements), or MXFP4 (K/2 + K/32 bytes per row) under --moe-fp4-storage all, except the output
+projection after fused attention, which keeps by reference the BF16 output that attention saves
+(_output_projection_input). --moe-fp4-storage all also keeps the
 dense-MLP and shared-expert SwiGLU inputs in MXFP4; a recomputed module (Megatron's recompute,
 `storage_rc`) keeps FP8 / BF16 there, so what its recompute restores in backward is counted in those
 formats. Under `layernorm` recompute, those reading a LayerNorm output (qkv or MLA's q / kv
@@ -123,9 +125,13 @@ def _output_projection_input(c: Ctx, attention: dict, features: float) -> dict:
     FP8 with any scaling recipe but 'delayed', Megatron has the projection save that original BF16
     tensor rather than its own FP8 copy (`set_save_original_input`; Transformer Engine >= 2.6,
     which Megatron also requires for FP8 with `layernorm` recompute), so nothing is added then.
-    Our FP8 linear keeps its own FP8 / MXFP4 copy in any case.
+    Our FP8 linear keeps that tensor by reference too where the fused attention (ours: our linears
+    run without Transformer Engine) saves it, that is unless core_attn recompute drops it
+    (module.saved_by_its_producer); else its own FP8 / MXFP4 copy.
     """
     if c.p.fp8_linear(ATTENTION):
+        if "attn_out_bf16" in attention:
+            return {}
         return {"proj_in": c.tokens * features * c.linear_input(ATTENTION)}
     saves_original = not c.p.fp8 or (c.s.te and c.p.fp8_recipe != "delayed")
     if saves_original and "attn_out_bf16" in attention:

@@ -5,8 +5,9 @@ Forward: X in 1x128 rows times W in 128x128 blocks. Saved for backward: only X, 
 tokens, either as the FP8 1x128 columns the weight-gradient GEMM reads (FP8 storage: one byte per
 element plus an fp32 scale per 128 tokens) or as MXFP4 rows (H/2 + H/32 bytes per token) that
 backward turns into those columns by the exact FP4 -> FP8 conversion; a layernorm output that
-Megatron recomputes before backward is kept as the tensor itself (nothing stored) and quantized to
-those columns in backward. Backward: dX = dY W in FP8
+Megatron recomputes before backward, and an input that its producer keeps for backward itself (the
+fused attention's output), are kept as the tensor itself (nothing stored) and quantized to those
+columns in backward. Backward: dX = dY W in FP8
 (dY in 1x128 rows, W^T in 128x128 blocks); dW = dY^T X with both operands 1x128 along tokens.
 
 The GEMMs are the experts' cuBLASLt path (experts/gemm.py) over one segment that holds every
@@ -37,9 +38,11 @@ class SavedInput(enum.Enum):
 
     FP8 = "fp8"  # FP8 1x128 columns, built in forward (the FP8 baseline, Transformer Engine's choice)
     MXFP4 = "mxfp4"  # MXFP4 rows (the paper's recipe), converted exactly to FP8 columns in backward
-    # The input tensor itself, quantized to FP8 columns in backward: for a layernorm's output that
-    # Megatron discards after forward and recomputes before backward (--recompute-modules
-    # layernorm), so nothing is stored, as Megatron has Transformer Engine's FP8 layers do there.
+    # The input tensor itself, quantized to FP8 columns in backward, where keeping it stores nothing:
+    # a layernorm's output that Megatron discards after forward and recomputes before backward
+    # (--recompute-modules layernorm), as Megatron has Transformer Engine's FP8 layers do there, and
+    # an input its producer saves for its own backward anyway (the fused attention's output, read by
+    # the output projection: module.saved_by_its_producer).
     ORIGINAL = "original"
 
 

@@ -4,7 +4,9 @@ parameters, initialization and checkpoint keys) whose forward and backward are F
 
 Each layer is built for a role in the transformer layer; the role says whether Megatron recomputes
 it (--recompute-modules), and a recomputed layer keeps its input in FP8 even under
---moe-fp4-storage all: nothing inside a recomputation is stored in FP4.
+--moe-fp4-storage all: nothing inside a recomputation is stored in FP4. At each forward a layer
+whose input the producing op keeps for its own backward (the fused attention's output, read by
+the output projection) keeps that tensor by reference instead, whatever the role's storage.
 """
 
 import copy
@@ -72,10 +74,27 @@ class _FP8Settings:
                    options.linears_grad)
 
 
+def saved_by_its_producer(x: torch.Tensor) -> bool:
+    """Whether the op that produced x (x itself or the tensor x is a view of) keeps x's storage for
+    its own backward as the tensor itself: torch's fused SDPA kernels save their output, which the
+    attention output projection reads reshaped. A linear layer then keeps x by reference at no cost:
+    its backward runs before its producer's, which frees that storage. Read off the autograd graph
+    at forward; False where a saved-tensor hook packed that output (offloading: its package, not
+    the tensor) or packs what this layer saves, and wherever the storage is another one (a copy)."""
+    produced = x if x._base is None else x._base
+    saved = getattr(produced.grad_fn, "_raw_saved_output", None)
+    # Without a public query: whether saved-tensor hooks are active here (what save_for_backward asks).
+    if saved is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return False
+    kept = saved.data  # what the producer holds, not unpacked: the tensor, or a hook's package of it
+    return isinstance(kept, torch.Tensor) and kept.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
 def _fp8_forward(settings: _FP8Settings, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # Decided here: inside the autograd function grad mode is always off.
     backward_follows = torch.is_grad_enabled() and (input_.requires_grad or weight.requires_grad)
-    call = LinearCall(settings.saved, settings.scale_rule, settings.accumulate_in_main_grad, backward_follows,
+    saved = SavedInput.ORIGINAL if backward_follows and saved_by_its_producer(input_) else settings.saved
+    call = LinearCall(saved, settings.scale_rule, settings.accumulate_in_main_grad, backward_follows,
                       settings.weight_cache, settings.grad_format)
     return FP8LinearFunction.apply(call, input_, weight)
 

@@ -323,6 +323,25 @@ def test_671b_first_scope_drops_the_down_projections_copies(precision, row):
             assert a - b == pytest.approx(layers * per_layer, rel=1e-9)
 
 
+@pytest.mark.parametrize("attention", [{}, MLA], ids=["standard", "mla"])
+@pytest.mark.parametrize("base, row", [(FP8_LINEARS, fp8_row), (FP4_ALL, mxfp4_row)], ids=["fp8", "fp4"])
+def test_output_projection_keeps_the_fused_attentions_output_by_reference(base, row, attention):
+    """The fused attention saves its BF16 output, and our output projection reads a view of it and
+    keeps that: no copy of its own. Where that output is not saved it keeps its FP8 / MXFP4 copy:
+    under core_attn recompute (the checkpoint runs attention without grad) and after the unfused
+    DotProductAttention (which keeps the probabilities instead)."""
+    projection = T * row(16 * 64)  # 16 heads of (value) dim 64, standard and MLA alike
+    fused = {**base, **attention, "moe_fp4_fused_attention": True}
+    for modules in (["mlp"], ["mla_up_proj", "layernorm"] if attention else ["layernorm"]):
+        kept = components({**fused, "recompute_modules": modules})
+        assert kept["dense.attn_out_bf16"] == T * 16 * 64 * 2
+        assert not any(k.endswith(".proj_in") for k in kept), modules
+    recomputed = components(fused)  # memcap_bf16_attn.yaml: core_attn
+    assert "dense.attn_out_bf16" not in recomputed and recomputed["dense.proj_in"] == projection
+    unfused = components({**base, **attention, "recompute_modules": ["mlp"]})
+    assert "dense.attn_probs" in unfused and unfused["dense.proj_in"] == projection
+
+
 def test_every_role_bf16_is_the_bf16_linears():
     """(The launcher refuses the combination; the estimator takes it.)"""
     every = estimate(MEMCAP, "installed", {**FP4_ALL, "moe_fp4_bf16_linears": ["attention", "mla_up_proj", "mlp",

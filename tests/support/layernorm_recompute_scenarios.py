@@ -48,19 +48,11 @@ def _forward_backward(layer, hidden, grad):
 
 
 def run(rank: int, scratch: str) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_fp4.launch.workarounds import recompute_without_output_without_transformer_engine
     from megatron_fp4.linears import SavedInput
 
-    recompute_without_output_without_transformer_engine()  # no Transformer Engine here
-    parallel_state.initialize_model_parallel()
-    try:
-        model_parallel_cuda_manual_seed(5)
-        g = torch.Generator().manual_seed(rank)
-        hidden = torch.randn(TOKENS, BATCH, HIDDEN, generator=g).bfloat16()
-        grad = torch.randn(TOKENS, BATCH, HIDDEN, generator=g).bfloat16()
+    from support.recompute_ranks import recompute_on_this_rank
+
+    with recompute_on_this_rank(rank, (TOKENS, BATCH, HIDDEN)) as (hidden, grad):
         # One storage per rank, so that the two cases run side by side.
         storage, inexact_saved, differing_expected = (
             ("experts", SavedInput.FP8, []),
@@ -76,5 +68,3 @@ def run(rank: int, scratch: str) -> None:
         assert (emptied_plain, emptied) == (0, 2), (storage, emptied_plain, emptied)
         differing = [name for name in expected if not torch.equal(expected[name], found[name])]
         assert differing == differing_expected, f"storage {storage}: differ under layernorm recompute: {differing}"
-    finally:
-        parallel_state.destroy_model_parallel()
