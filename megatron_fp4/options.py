@@ -197,7 +197,8 @@ FLAGS = (
          Storage),
     Flag("bf16_linears", "With --moe-fp4-linears fp8: the roles whose linear layers stay Megatron's own BF16 ones "
          "(attention: the qkv or MLA q/kv down-projections and the output projection; mla_up_proj: MLA's q and kv "
-         "up-projections; mlp: the dense MLP; shared_experts), with their inputs and SwiGLU inputs saved in BF16 "
+         "up-projections, and its one q projection when there is no q LoRA, which Megatron recomputes with them; "
+         "mlp: the dense MLP; shared_experts), with their inputs and SwiGLU inputs saved in BF16 "
          "as Megatron saves them, also under --moe-fp4-storage all. Default: none, every role FP8.",
          LinearRole, many=True),
     Flag("linears_grad", "With --moe-fp4-linears fp8: the gradients of those layers' backward GEMMs: fp8 (the "

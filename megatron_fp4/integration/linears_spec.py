@@ -24,7 +24,8 @@ _MLA_UP = LinearRole.MLA_UP_PROJECTION
 _ATTENTION_LINEARS = {
     SelfAttentionSubmodules: {"linear_qkv": (True, _ATTENTION, True), "linear_proj": (False, _ATTENTION, False)},
     MLASelfAttentionSubmodules: {
-        "linear_q_proj": (True, _ATTENTION, True), "linear_q_down_proj": (True, _ATTENTION, True),
+        # Without q LoRA the one q projection runs inside MLA's up-projection checkpoint.
+        "linear_q_proj": (True, _MLA_UP, True), "linear_q_down_proj": (True, _ATTENTION, True),
         "linear_q_up_proj": (True, _MLA_UP, False), "linear_kv_down_proj": (True, _ATTENTION, True),
         "linear_kv_up_proj": (True, _MLA_UP, False), "linear_proj": (False, _ATTENTION, False),
     },

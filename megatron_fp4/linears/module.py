@@ -127,7 +127,7 @@ class FP8RowParallelLinear(RowParallelLinear):
         return _fp8_forward(self.fp8, input_, self.weight), None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LinearSpec:
     """A linear layer in a layer spec, usable where Megatron calls the spec (`submodules.linear_fc1(...)`)
     and where it builds it (`build_module`, which reads `module` and `params`)."""
@@ -137,6 +137,13 @@ class LinearSpec:
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **self.params, **kwargs)
+
+    def __eq__(self, other):
+        # Also equal to the Megatron class the layer derives from: MLA's constructor picks its
+        # down-projections' arguments with `spec in [..., ColumnParallelLinear]` and refuses others.
+        if isinstance(other, type):
+            return issubclass(self.module, other)
+        return isinstance(other, LinearSpec) and (self.module, self.params) == (other.module, other.params)
 
 
 def linear_spec(column: bool, options: FP4Options, role: LinearRole, reads_layernorm_output: bool = False) -> LinearSpec:

@@ -19,7 +19,7 @@ from megatron_fp4.integration import use_fp4
 from megatron_fp4.experts import FP8Experts
 from megatron_fp4.linears import (FP8ColumnParallelLinear, FP8LinearFunction, FP8RowParallelLinear, LinearCall,
                                   LinearRole, MXFP4SavedSwiGLU, SavedInput, build_fp8_mlp, build_fp8_shared_experts,
-                                  saved_input)
+                                  linear_spec, saved_input)
 from megatron_fp4.linears.swiglu import MXFP4SavedSwiGLUFunction
 from megatron_fp4.experts.weight_cache import FP8WeightCache
 from megatron_fp4.options import FP4Options, GradFormat, UnsupportedConfiguration
@@ -348,9 +348,10 @@ def test_spec_swap_and_switch_off():
     roles = {name: getattr(attention, name).params["role"] for name in
              ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
               "linear_proj")}
-    assert roles["linear_q_up_proj"] is roles["linear_kv_up_proj"] is LinearRole.MLA_UP_PROJECTION
-    assert {roles[n] for n in ("linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj", "linear_proj")} == {
-        LinearRole.ATTENTION}
+    # Without q LoRA, linear_q_proj runs inside MLA's up-projection recompute.
+    assert {roles[n] for n in ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")} == {
+        LinearRole.MLA_UP_PROJECTION}
+    assert {roles[n] for n in ("linear_q_down_proj", "linear_kv_down_proj", "linear_proj")} == {LinearRole.ATTENTION}
     assert attention.linear_proj.module is FP8RowParallelLinear
     moe = swapped.submodules.mlp.keywords["submodules"]
     assert moe.shared_experts.keywords["submodules"].linear_fc1.params["role"] is LinearRole.SHARED_EXPERTS
@@ -487,3 +488,16 @@ def test_bf16_linears_leave_their_roles_to_megatron(bf16_roles):
     assert {role for role, fp8 in found.items() if not fp8} == bf16_roles
     # The routed experts are not a role: FP8 whatever the flag says.
     assert moe_layer.mlp.keywords["submodules"].experts.func is FP8Experts
+
+
+
+def test_fp8_specs_pass_megatrons_class_checks():
+    """megatron-core's MLA picks its down-projections' arguments by `spec in [..., ColumnParallelLinear]`
+    and refuses anything else (DeepSeek-V3's layers: tests/support/attention_projection_scenarios.py
+    builds and trains one); a spec equals the Megatron classes its layer derives from, no others."""
+    attention = use_fp4(get_gpt_layer_local_spec(multi_latent_attention=True), RECIPE).submodules.self_attention
+    down = attention.submodules.linear_kv_down_proj
+    assert down in [ColumnParallelLinear] and down == ColumnParallelLinear and down != RowParallelLinear
+    assert attention.submodules.linear_proj == RowParallelLinear and attention.submodules.linear_proj != torch.nn.Linear
+    assert down == linear_spec(True, RECIPE, LinearRole.ATTENTION, reads_layernorm_output=True)
+    assert down != linear_spec(True, RECIPE, LinearRole.ATTENTION) and down != object()

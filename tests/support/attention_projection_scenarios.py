@@ -8,11 +8,9 @@ without grad, saves nothing, and the projection keeps its own copy. The layer's 
 of the same layer whose projection always keeps its own copy: bit for bit with FP8-saved inputs;
 with MXFP4-saved inputs all but the projection's weight gradient where it keeps the reference
 (then from the BF16 output instead of an MXFP4 copy). q/k and v heads have one size here, so that
-the CPU's flash kernel serves them. megatron-core 0.19's MLA takes only its own classes for the q
-and kv down-projections: no q LoRA, and Megatron's BF16 kv down-projection."""
+the CPU's flash kernel serves them. q LoRA as DeepSeek-V3's: every projection is FP8."""
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +20,6 @@ TOKENS, BATCH, HIDDEN, HEADS = 32, 2, 128, 8
 
 def _mla_attention(storage: str, recompute_modules):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -31,7 +28,7 @@ def _mla_attention(storage: str, recompute_modules):
     from megatron_fp4.integration import FP4Options, use_fp4
 
     config = MLATransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, q_lora_rank=None, kv_lora_rank=128,
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, q_lora_rank=128, kv_lora_rank=128,
         qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=48, rope_type="yarn", rotary_scaling_factor=40, mscale=1.0,
         mscale_all_dim=1.0, attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=False, bf16=True,
         params_dtype=torch.bfloat16, gradient_accumulation_fusion=False, use_cpu_initialization=True,
@@ -43,8 +40,7 @@ def _mla_attention(storage: str, recompute_modules):
                          fused_attention=True)
     spec = use_fp4(get_gpt_layer_local_spec(multi_latent_attention=True), options).submodules.self_attention
     torch.manual_seed(7)
-    submodules = dataclasses.replace(spec.submodules, linear_kv_down_proj=ColumnParallelLinear)
-    return MLASelfAttention(config, submodules, layer_number=1, attn_mask_type=AttnMaskType.causal,
+    return MLASelfAttention(config, spec.submodules, layer_number=1, attn_mask_type=AttnMaskType.causal,
                             pg_collection=get_default_pg_collection()).to(torch.bfloat16)
 
 
