@@ -316,19 +316,20 @@ def _restored(c: Ctx, kind: str) -> tuple[float, float]:
     return full_attention - attention, full_mlp - mlp
 
 
-def _weight_in_use(c: Ctx, kind: str) -> tuple[float, float]:
-    """FP8 weights quantized per use (--moe-fp4-weights-per-use) while (attention, MLP) backward
-    runs: one FP8 linear's at a time (the FP8 roles' largest; none: 0), and in an MoE layer's MLP
-    all local experts' fc1 weights at once (one launch)."""
-    if not c.p.weights_per_use:
-        return 0.0, 0.0
-    shapes = fp8_linear_shapes(c.s, kind, c.p.fp8_linear_roles)
-    linear = max(map(fp8_linear_copy_elements, shapes), default=0) * FP8_128X128_BYTES
+def transposed_weight(c: Ctx, kind: str) -> tuple[float, float]:
+    """The FP8 W^T our linears and experts make for a data-gradient GEMM and free after it, while
+    (attention, MLP) backward runs: the cached W transposed, or quantized per use
+    (--moe-fp4-weights-per-use). One linear's at a time, the largest of the phase's FP8 roles
+    (none: 0), and in an MoE layer's MLP all local experts' fc1 weights at once (one stacked operand)."""
+    def largest_linear(roles: set) -> float:
+        shapes = fp8_linear_shapes(c.s, kind, c.p.fp8_linear_roles & roles)
+        return max(map(fp8_linear_copy_elements, shapes), default=0) * FP8_128X128_BYTES
+
     experts = 0.0
     if kind == MOE and c.p.fp8_experts:
         local_experts = c.s.experts / c.par.local_experts_divisor
         experts = local_experts * c.s.fc1_factor * c.s.moe_ffn_hidden * c.s.hidden * FP8_128X128_BYTES
-    return linear, max(linear, experts)
+    return largest_linear({ATTENTION, MLA_UP}), max(largest_linear({MLP, SHARED}), experts)
 
 
 def _attention_heads(c: Ctx) -> tuple[float, int]:
@@ -359,18 +360,19 @@ def backward_working_set(c: Ctx, kind: str) -> float:
     MoE layer the combine / dispatch all-to-all's send and receive buffers in the model dtype are at
     least as large). The attention backward (after it, the MLP's saved tensors freed): what its
     recompute restores plus, for unfused attention, its score-sized buffers and gradients in flight
-    (_unfused_attention_backward), for fused attention two of its largest tensors."""
+    (_unfused_attention_backward), for fused attention two of its largest tensors. Each phase also
+    holds the FP8 W^T of its largest data-gradient GEMM of ours (transposed_weight)."""
     full_attention, full_mlp = _parts(c.with_recompute(NONE), kind)
     restored_attention, restored_mlp = _restored(c, kind)
-    weight_attention, weight_mlp = _weight_in_use(c, kind)
+    transposed_attention, transposed_mlp = transposed_weight(c, kind)
     largest_mlp = max(full_mlp.values())
     if kind == MOE:
         largest_mlp = max(largest_mlp, expert_rows(c) * c.s.hidden * c.p.model_bytes)
-    mlp_phase = restored_mlp + 2 * largest_mlp + weight_mlp
+    mlp_phase = restored_mlp + 2 * largest_mlp + transposed_mlp
     if c.s.fused_attention:
         attention_buffers = 2 * max(full_attention.values())
     else:
         attention_buffers = _unfused_attention_backward(c)
     mlp_freed = 0.0 if c.rc.granularity == "full" else sum(_parts(c, kind)[1].values())
-    attention_phase = restored_attention + attention_buffers + weight_attention - mlp_freed
+    attention_phase = restored_attention + attention_buffers + transposed_attention - mlp_freed
     return max(mlp_phase, attention_phase)

@@ -20,8 +20,9 @@ A config that a launch would refuse (--set overrides included) is refused here t
 exit status 2.
 
 Memory per GPU, on the pipeline rank with the largest peak:
-  weights    parameters in the model dtype (+ 2 FP8 copies of every FP8 GEMM's weight: Transformer
-             Engine's, our FP8 linears' and experts')
+  weights    parameters in the model dtype (+ the FP8 copies of the FP8 GEMMs' weights: two per
+             Transformer Engine GEMM weight, row- and column-wise; one, W, per weight of our FP8
+             linears and experts)
   grads      main gradients (main_grads_dtype, fp32 by default)
   optim      Adam master weights and moments on the GPU (distributed optimizer: sharded over data
              parallelism, expert parameters over expert data parallelism; less what
@@ -31,8 +32,9 @@ Memory per GPU, on the pipeline rank with the largest peak:
              recompute_modules recomputes)
   transient  one layer's backward working set (its MLP or attention backward: what that recompute
              restores + two of its largest tensors, or unfused attention's score-sized buffers and
-             gradients; less what the backward has freed by then), the logits during the loss,
-             persistent attention buffers
+             gradients, + the W^T our FP8 layers make for their largest data-gradient GEMM; less
+             what the backward has freed by then), the logits during the loss, persistent
+             attention buffers
   peak       the sum, in GiB (2^30 bytes): comparable with Megatron's "max allocated", not with
              "reserved" (the caching allocator holds a few % more); % GPU and fits compare it
              with the config's cluster.gpu_memory_gib.

@@ -6,7 +6,7 @@ FP8 GEMMs (Transformer Engine keeps FP8 copies of those).
 Counts follow the modules Megatron-Core builds (megatron/core/transformer/*): biases only with
 add_bias_linear, RMSNorm has a weight, LayerNorm a weight and a bias.
 
-Our FP8 linears (--moe-fp4-linears fp8, TP 1) keep FP8 copies of their weights padded to multiples
+Our FP8 linears (--moe-fp4-linears fp8, TP 1) keep an FP8 copy of their weights padded to multiples
 of 128 in both dimensions (MLA's kv down-projection: 576 output features -> 640):
 `fp8_linear_padded` counts those padded elements, of the FP8 roles only (a role
 --moe-fp4-bf16-linears names is Megatron's BF16 linears, which hold no FP8 copy).
@@ -26,7 +26,7 @@ class ParamCount:
     dense_gemm: float = 0.0  # of `dense`: weights of Transformer Engine GEMMs (FP8 copies under FP8)
     expert_gemm: float = 0.0
     fp8_linear: float = 0.0  # of `dense_gemm`: weights of the linears of the FP8 roles (ours)
-    fp8_linear_padded: float = 0.0  # the same, padded to 128 x 128 blocks (their FP8 copies' elements)
+    fp8_linear_padded: float = 0.0  # the same, padded to 128 x 128 blocks (their FP8 copy's elements)
 
     def __iadd__(self, other):
         self.dense += other.dense

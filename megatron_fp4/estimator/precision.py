@@ -61,9 +61,10 @@ class Precision:
     fp8_linear_roles: frozenset = frozenset()
     # --moe-fp4-storage all: the FP8 roles' linear inputs and dense / shared SwiGLU inputs in MXFP4
     fp4_storage_all: bool = False
-    # Our FP8 experts and linears keep two FP8 copies (128x128 blocks) of their weights for the step,
-    # as Transformer Engine does, also in a run whose other GEMMs are BF16; with
-    # --moe-fp4-weights-per-use they quantize them per use instead, one linear at a time.
+    # Our FP8 experts and linears keep one FP8 copy (W, 128x128 blocks) of their weights for the step,
+    # also in a run whose other GEMMs are BF16, and make the data gradient's W^T from it in backward
+    # (Transformer Engine keeps both); with --moe-fp4-weights-per-use they quantize W and W^T per
+    # use instead, one linear at a time.
     weights_per_use: bool = False
 
     @property

@@ -8,11 +8,11 @@ from .core import GIB, Estimate
 
 # The two memory rows of an fp4 config (the table's note and `estimate --help` say it alike).
 FP4_MEMORY_ROWS = ("'recipe' = the paper's whole FP4 recipe (FP8 experts and FP8 linears, the expert activations, "
-                   "every linear's saved input and the SwiGLU inputs kept in MXFP4 outside recomputed modules, two "
-                   "FP8 copies of their weights for the step, dispatch cached for `moe` recompute); 'installed' = "
+                   "every linear's saved input and the SwiGLU inputs kept in MXFP4 outside recomputed modules, one "
+                   "FP8 copy of their weights for the step, dispatch cached for `moe` recompute); 'installed' = "
                    "what the config's flags switch on in this package (MXFP4 on the wire; --moe-fp4-experts fp8: "
                    "expert activations in MXFP4; --moe-fp4-linears fp8: FP8-saved linear inputs, MXFP4 with "
-                   "--moe-fp4-storage all; their FP8 weight copies unless --moe-fp4-weights-per-use; the dispatch "
+                   "--moe-fp4-storage all; their FP8 weight copy unless --moe-fp4-weights-per-use; the dispatch "
                    "cache only with --moe-fp4-cache).")
 COLUMNS = ("config", "prec", "fp4 memory", "recompute", "weights", "grads", "optim", "activ", "transient",
            "peak GiB", "% GPU", "fits", "a2a GB/step")

@@ -4,12 +4,12 @@
   Engine caches each GEMM weight quantized for the step, once row-wise (forward) and once
   column-wise / transposed (data gradient): 2 more FP8 bytes per GEMM weight. With
   `fp8_param_gather` the FP8 copies are the primary weights and the bf16 ones are gone. Our FP8
-  experts (`moe_fp4_experts: fp8`) and FP8 linears (`moe_fp4_linears: fp8`) keep the same two
-  copies of their weights (W and W^T, 128x128 blocks, padded to multiples of 128), quantized at a
-  step's first forward and held to the next step's, in a run without Transformer Engine too,
-  unless `moe_fp4_weights_per_use` (then they are transient: activations.py). Only the FP8 roles'
-  linears count (ParamCount.fp8_linear): a role `moe_fp4_bf16_linears` names keeps Megatron's
-  layers, with Transformer Engine's copies under FP8 as without our linears.
+  experts (`moe_fp4_experts: fp8`) and FP8 linears (`moe_fp4_linears: fp8`) keep one copy of their
+  weights (W, 128x128 blocks, padded to multiples of 128), quantized at a step's first forward and
+  held to the next step's, in a run without Transformer Engine too, unless
+  `moe_fp4_weights_per_use`; the data gradient's W^T is transient either way (activations.py). Only
+  the FP8 roles' linears count (ParamCount.fp8_linear): a role `moe_fp4_bf16_linears` names keeps
+  Megatron's layers, with Transformer Engine's copies under FP8 as without our linears.
 - Gradients: Megatron's DDP accumulates and reduces main gradients in `main_grads_dtype` (fp32 for
   bf16 training: 4 bytes/param), one contiguous buffer.
 - Optimizer (Adam): an fp32 master copy (`main_params_dtype`) and the two moments (`exp_avg_dtype`,
@@ -59,10 +59,10 @@ def static_memory(args, counts: ParamCount, p: Precision, dp: int, edp: int, wor
         if args.fp8_param_gather:
             weights -= gemm * p.model_bytes  # the FP8 copies are the parameters
         weights += 2 * gemm * p.fp8_weight_bytes
-    if not p.weights_per_use:  # megatron_fp4/experts/weight_cache.py and the linears' own
+    if not p.weights_per_use:  # W of our experts and linears (megatron_fp4/experts/weight_cache.py)
         if p.fp8_experts:
-            weights += 2 * counts.expert_gemm * FP8_128X128_BYTES
-        weights += 2 * counts.fp8_linear_padded * FP8_128X128_BYTES  # the FP8 roles' (none: 0)
+            weights += counts.expert_gemm * FP8_128X128_BYTES
+        weights += counts.fp8_linear_padded * FP8_128X128_BYTES  # the FP8 roles' (none: 0)
     grads = counts.total * dtype_bytes(args.main_grads_dtype)
     per = optimizer_bytes_per_param(args)
     if args.use_distributed_optimizer:

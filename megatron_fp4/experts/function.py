@@ -4,7 +4,7 @@ Every GEMM is one grouped FP8 launch over all local experts' ragged token segmen
 (kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (ExpertGemms). Forward: fc1 = X W1^T (X from the MXFP4 payload by the exact
 FP4 -> FP8 row conversion, or quantized from BF16 for the FP8 baseline), SwiGLU times the probs,
 fc2 = H W2^T from 1x128 rows of H. Weights are in 128x128 blocks, quantized once per optimizer step
-(weight_cache.py). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
+(weight_cache.py; backward's W^T is that copy transposed). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
 SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the
 FP8 baseline), what its weight gradients read, as Transformer Engine's FP8 layers keep it: the fc1
 and fc2 inputs as FP8 columns (built in forward instead of backward: the same values), and the
@@ -143,8 +143,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
             fc2_in_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_acts[1], ffn), counts, check_counts=False)
         else:
             fc1_out, fc2_in_cols = saved_acts[0], FP8BlockTensor.from_colwise_parts(saved_acts[1:])
-        grad_fc2_in, grad_fc2 = _linear_backward(call, grad_output, fc2_in_cols, fc2_weights,
-                                                   _fp8_weights(call, "fc2", fc2_weights, True), wgrads)
+        grad_fc2_in, grad_fc2 = _linear_backward(call, "fc2", grad_output, fc2_in_cols, fc2_weights, wgrads)
         del fc2_in_cols
         grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
         del fc1_out, grad_fc2_in
@@ -154,8 +153,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input[0], hidden), counts, check_counts=False)
         else:
             input_cols = FP8BlockTensor.from_colwise_parts(saved_input)
-        grad_input, grad_fc1 = _linear_backward(call, grad_fc1_out, input_cols, fc1_weights,
-                                                   _fp8_weights(call, "fc1", fc1_weights, True), wgrads)
+        grad_input, grad_fc1 = _linear_backward(call, "fc1", grad_fc1_out, input_cols, fc1_weights, wgrads)
         del grad_fc1_out, input_cols
         _release_saved_fp4(ctx)
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
@@ -198,11 +196,12 @@ def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) 
     return per_expert_products(call.segments, rows, weights, dtype)
 
 
-def _linear_backward(call: ExpertsCall, grad: torch.Tensor, input_cols, weights,
-                     transposed: FP8StackedWeights, wgrads):
+def _linear_backward(call: ExpertsCall, name: str, grad: torch.Tensor, input_cols, weights, wgrads):
     """Backward of Y = X W_e^T for every expert segment, in FP8: dX (gradient 1x128 rows times W_e^T
-    in 128x128 blocks: `transposed`) and dW_e (gradient and input both 1x128 along the segment's
-    tokens; zero for an expert without tokens)."""
+    in 128x128 blocks) and dW_e (gradient and input both 1x128 along the segment's tokens; zero for
+    an expert without tokens)."""
+    transposed = _fp8_weights(call, name, weights, True)
     grad_input = _linear_forward(call, K.quantize_fp8_rows(grad), transposed, grad.dtype)
+    del transposed  # W^T is made for this GEMM (cached W transposed, or quantized per use): not kept for the wgrad
     grad_cols = K.quantize_fp8_cols(grad, call.segments.counts_device, check_counts=False)
     return grad_input, wgrads(weights, grad_cols, input_cols)

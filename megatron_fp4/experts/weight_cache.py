@@ -1,4 +1,5 @@
-"""The experts' FP8 weights, quantized once per optimizer step and reused by every micro-batch.
+"""The FP8 weights of the experts and of the FP8 linears, quantized once per optimizer step and
+reused by every micro-batch.
 
 A copy is reused only while its stamp matches: the number of optimizer steps taken in this process
 (torch's global step hook: every optimizer Megatron builds, torch's Adam, Apex's or Transformer
@@ -10,8 +11,11 @@ before asking for their weights: so the first forward after a step re-quantizes,
 values. Writes that bypass both (a plain `param.data.copy_()` outside an optimizer step) are not
 seen: call `invalidate()` after them.
 
-Memory: one FP8 byte per weight element and orientation (W for fprop, W^T for dgrad), held from the
-first forward of a step to the first forward of the next.
+Only W (the forward's operand) is kept. The data gradient's W^T is made from it when backward asks
+(FP8StackedWeights.transposed: with 128x128 blocks, the same bits as quantizing W^T) and lives only
+for that GEMM. Memory: one FP8 byte per weight element (plus an fp32 scale per 128x128 block), held
+from the first forward of a step to the first forward of the next, and during backward one linear
+layer's W^T at a time (the experts': all local experts' fc2, then fc1).
 """
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -43,24 +47,25 @@ def _stamp(weights: Sequence[torch.Tensor]) -> Tuple:
 
 
 class FP8WeightCache:
-    """One module's quantized weights, by (linear layer name, transposed)."""
+    """One module's quantized weights W, by linear layer name."""
 
     def __init__(self):
-        self._entries: Dict[Tuple[str, bool], Tuple[Tuple, FP8StackedWeights]] = {}
+        self._entries: Dict[str, Tuple[Tuple, FP8StackedWeights]] = {}
 
     def get(self, name: str, weights: Sequence[torch.Tensor], transpose: bool,
             quantize: Optional[Callable[[Sequence[torch.Tensor], bool], FP8StackedWeights]] = None
             ) -> FP8StackedWeights:
-        """The 128x128-block FP8 copy of `weights` (stacked, transposed if asked) made by `quantize`
-        (default: K.quantize_fp8_weights_stacked), quantized now if the weights changed since the
-        last copy."""
+        """The 128x128-block FP8 copy of `weights` (stacked) made by `quantize` (default:
+        K.quantize_fp8_weights_stacked), quantized now if the weights changed since the last copy.
+        transpose: a new W^T made from the cached W, not kept here: the caller frees it after its
+        GEMM."""
         quantize = quantize or K.quantize_fp8_weights_stacked
         stamp = _stamp(weights)
-        entry = self._entries.get((name, transpose))
+        entry = self._entries.get(name)
         if entry is None or entry[0] != stamp:
-            entry = (stamp, quantize(weights, transpose))
-            self._entries[(name, transpose)] = entry
-        return entry[1]
+            entry = (stamp, quantize(weights, False))
+            self._entries[name] = entry
+        return entry[1].transposed() if transpose else entry[1]
 
     def invalidate(self) -> None:
         self._entries.clear()

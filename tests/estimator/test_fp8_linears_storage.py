@@ -118,14 +118,15 @@ def test_nothing_in_fp4_inside_a_recomputation():
 
 
 def test_fp8_weight_copies_of_linears_and_experts():
-    """Two FP8 copies (W, W^T; 128x128 blocks) of every weight our linears and experts hold, from a
-    step's first forward to the next; none with --moe-fp4-weights-per-use. MTP's eh_proj stays BF16."""
+    """One FP8 copy (W; 128x128 blocks) of every weight our linears and experts hold, from a step's
+    first forward to the next (W^T is made in backward); none with --moe-fp4-weights-per-use. MTP's
+    eh_proj stays BF16."""
     bf16 = estimate(MEMCAP).peak_rank.static.weights
     fp8 = estimate(MEMCAP, "installed", FP8_LINEARS).peak_rank.static.weights
     attention = 3 * H * H + H * H  # qkv, proj
     linears = 7 * attention + 3 * FFN * H + 6 * 3 * SHARED * H  # 6 layers + MTP's; dense fc1 (x2) + fc2; shared
     experts = 6 * LOCAL_EXPERTS * 3 * MOE_FFN * H
-    assert fp8 - bf16 == pytest.approx(2 * (linears + experts) * FP8_WEIGHT, rel=1e-12)
+    assert fp8 - bf16 == pytest.approx((linears + experts) * FP8_WEIGHT, rel=1e-12)
     per_use = estimate(MEMCAP, "installed", {**FP8_LINEARS, "moe_fp4_weights_per_use": True})
     assert per_use.peak_rank.static.weights == bf16
 
@@ -172,13 +173,12 @@ def test_671b_without_the_fused_attention_the_local_attention_does_not_fit(dsv3)
 
 
 def test_671b_pattern_with_the_fused_attention(dsv3):
-    """As configured (--moe-fp4-fused-attention under our linears): FP4 fits where BF16 and FP8 are
-    OOM at the middle scope, all fit at the first; at MLA-up-projection-only FP4 is OOM too
-    (docs/estimator.md)."""
+    """As configured (--moe-fp4-fused-attention under our linears): all fit at the first scope, only
+    FP4 at the other two, as in the paper (docs/estimator.md)."""
     fits = {(p, scope): dsv3[(p, scope, "installed", True)].fits for p in ("bf16", "fp8", "fp4") for scope in SCOPES}
     assert fits == {("bf16", "attn_ln_moe"): True, ("bf16", "attn_ln_mlp"): False, ("bf16", "mla_up_proj"): False,
                     ("fp8", "attn_ln_moe"): True, ("fp8", "attn_ln_mlp"): False, ("fp8", "mla_up_proj"): False,
-                    ("fp4", "attn_ln_moe"): True, ("fp4", "attn_ln_mlp"): True, ("fp4", "mla_up_proj"): False}
+                    ("fp4", "attn_ln_moe"): True, ("fp4", "attn_ln_mlp"): True, ("fp4", "mla_up_proj"): True}
     for p in ("fp8", "fp4"):
         e = dsv3[(p, "attn_ln_moe", "installed", True)]
         assert e.shape.fused_attention and not e.shape.te and "moe.attn_probs" not in e.peak_rank.components
@@ -204,7 +204,7 @@ def test_bf16_attention_saves_bf16_inputs_and_holds_no_fp8_copies():
     moved, weights = bf16_role_moves(["attention"])
     per_layer = {"qkv_in": T * (2 * H - mxfp4_row(H)), "proj_in": T * (2 * 16 * 64 - mxfp4_row(16 * 64))}
     assert moved == {f"{p}.{k}": n * v for p, n in LAYERS.items() for k, v in per_layer.items()}
-    assert weights == pytest.approx(-2 * 7 * (3 * H * H + H * H) * FP8_WEIGHT, rel=1e-12)
+    assert weights == pytest.approx(-7 * (3 * H * H + H * H) * FP8_WEIGHT, rel=1e-12)
 
 
 def test_bf16_dense_mlp_saves_bf16_inputs_and_swiglu_input():
@@ -212,7 +212,7 @@ def test_bf16_dense_mlp_saves_bf16_inputs_and_swiglu_input():
     assert moved == {"dense.fc1_in": T * (2 * H - mxfp4_row(H)),
                      "dense.fc1_out": T * (2 * 2 * FFN - mxfp4_row(2 * FFN)),  # Megatron's BF16 SwiGLU input
                      "dense.fc2_in": T * (2 * FFN - mxfp4_row(FFN))}
-    assert weights == pytest.approx(-2 * 3 * FFN * H * FP8_WEIGHT, rel=1e-12)
+    assert weights == pytest.approx(-3 * FFN * H * FP8_WEIGHT, rel=1e-12)
 
 
 def test_bf16_shared_experts_save_what_megatron_saves():
@@ -222,7 +222,7 @@ def test_bf16_shared_experts_save_what_megatron_saves():
     per_layer = {"shared_fc1_in": -T * mxfp4_row(H), "shared_fc1_out": T * (2 * 2 * SHARED - mxfp4_row(2 * SHARED)),
                  "shared_fc2_in": T * (2 * SHARED - mxfp4_row(SHARED))}
     assert moved == {f"{p}.{k}": n * v for p, n in LAYERS.items() if p != "dense" for k, v in per_layer.items()}
-    assert weights == pytest.approx(-2 * 6 * 3 * SHARED * H * FP8_WEIGHT, rel=1e-12)
+    assert weights == pytest.approx(-6 * 3 * SHARED * H * FP8_WEIGHT, rel=1e-12)
 
 
 def test_bf16_mla_up_projections_save_bf16_inputs():
@@ -231,7 +231,7 @@ def test_bf16_mla_up_projections_save_bf16_inputs():
     moved, weights = bf16_role_moves(["mla_up_proj"], {**FP4_ALL, **MLA})
     up_in = T * (2 * (Q_LORA + KV_LORA) - mxfp4_row(Q_LORA + KV_LORA))
     assert moved == {f"{p}.up_in": n * up_in for p, n in LAYERS.items()}
-    assert weights == pytest.approx(-2 * 7 * (16 * 96 * Q_LORA + 16 * 128 * KV_LORA) * FP8_WEIGHT, rel=1e-12)
+    assert weights == pytest.approx(-7 * (16 * 96 * Q_LORA + 16 * 128 * KV_LORA) * FP8_WEIGHT, rel=1e-12)
 
 
 def test_a_bf16_role_under_layernorm_recompute_keeps_no_copy_of_its_own():
@@ -358,15 +358,26 @@ def test_the_recipe_row_keeps_every_role_fp8():
     assert components(flagged, "recipe") == components(FP4_ALL, "recipe")
 
 
-def test_weights_per_use_quantizes_only_the_fp8_roles():
-    """Per use, backward holds the FP8 copy of the largest FP8 linear's weight: the dense layer's
-    fc1 (2 x 2816 x 1024), or with the MLP in BF16 the qkv projection (3 x 1024 x 1024)."""
-    def per_use_extra(bf16_roles: dict):
-        e = estimate(MEMCAP, "installed", {**FP4_ALL, **bf16_roles, "moe_fp4_weights_per_use": True})
-        ctx = Ctx(s=e.shape, par=e.parallel, p=e.precision, rc=e.recompute, tokens=T, rope=True, softmax_fp32=False,
-                  ce_bytes=4, bias=False)
-        cached = dataclasses.replace(ctx, p=dataclasses.replace(e.precision, weights_per_use=False))
-        return backward_working_set(ctx, DENSE) - backward_working_set(cached, DENSE)
+@pytest.mark.parametrize("per_use", [False, True], ids=["cached", "weights-per-use"])
+def test_backward_holds_the_largest_fp8_weight_transposed(per_use, monkeypatch):
+    """Each backward phase holds the FP8 W^T of its largest data-gradient GEMM of ours, made from the
+    cached W or quantized per use alike: attention, the qkv projection (3 x 1024 x 1024); the dense
+    MLP, its fc1 (2 x 2816 x 1024), none with the MLP in BF16; an MoE layer's MLP, the 8 local
+    experts' fc1 (8 x 2 x 2048 x 1024), larger than the shared expert's."""
+    from megatron_fp4.estimator import activations
 
-    assert per_use_extra({}) == pytest.approx(2 * FFN * H * FP8_WEIGHT, rel=1e-12)
-    assert per_use_extra({"moe_fp4_bf16_linears": ["mlp"]}) == pytest.approx(3 * H * H * FP8_WEIGHT, rel=1e-12)
+    def ctx(bf16_roles: dict):
+        e = estimate(MEMCAP, "installed", {**FP4_ALL, **bf16_roles, "moe_fp4_weights_per_use": per_use})
+        return Ctx(s=e.shape, par=e.parallel, p=e.precision, rc=e.recompute, tokens=T, rope=True, softmax_fp32=False,
+                   ce_bytes=4, bias=False)
+
+    qkv, fc1, experts = 3 * H * H * FP8_WEIGHT, 2 * FFN * H * FP8_WEIGHT, LOCAL_EXPERTS * 2 * MOE_FFN * H * FP8_WEIGHT
+    assert activations.transposed_weight(ctx({}), DENSE) == pytest.approx((qkv, fc1), rel=1e-12)
+    assert activations.transposed_weight(ctx({}), MOE) == pytest.approx((qkv, experts), rel=1e-12)
+    assert activations.transposed_weight(ctx({"moe_fp4_bf16_linears": ["mlp"]}), DENSE) == (qkv, 0)
+    # One term of the working set: here the attention phase (the unfused attention's score-sized
+    # buffers) sets each layer's peak, which grows by qkv's W^T.
+    with_it = {kind: backward_working_set(ctx({}), kind) for kind in (DENSE, MOE)}
+    monkeypatch.setattr(activations, "transposed_weight", lambda c, kind: (0.0, 0.0))
+    for kind in (DENSE, MOE):
+        assert with_it[kind] - backward_working_set(ctx({}), kind) == pytest.approx(qkv, rel=1e-12)

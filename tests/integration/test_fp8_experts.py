@@ -263,26 +263,32 @@ def test_per_expert_gemms_match_the_grouped_ones(model_parallel, device):
                 assert not ours.any() and not theirs.any(), (e, fc)
 
 
-@pytest.mark.parametrize("per_use", [False, True], ids=["once-per-step", "weights-per-use"])
-def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch, per_use):
-    """Two forwards with the same weights quantize them once (fc1 and fc2), or each time with
-    --moe-fp4-weights-per-use."""
+def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):
+    """Two forwards and backwards with the same weights quantize W of fc1 and fc2 once, their W^T
+    being made from those copies; with --moe-fp4-weights-per-use W and W^T at every use. Both give
+    the same bits."""
     from megatron_fp4 import kernels as K
 
-    torch.manual_seed(3)
-    options = FP4Options(experts="fp8", weights_per_use=per_use)
-    experts = FP8Experts(EXPERTS, _config(), _experts_builder("fp8").keywords["submodules"],
-                         pg_collection=model_parallel, options=options).to(device)
-    assert (experts.weight_cache is None) == per_use
-    payload, probs, _ = _inputs(device)
-    calls = []
+    payload, probs, grad = _inputs(device)
     real = K.quantize_fp8_weights_stacked
-    monkeypatch.setattr(K, "quantize_fp8_weights_stacked", lambda *a, **k: calls.append(a[1:]) or real(*a, **k))
-    with torch.no_grad():
-        first, _ = experts(ref.dequantize_mxfp4(payload), torch.tensor(COUNTS), probs, payload=payload)
-        second, _ = experts(ref.dequantize_mxfp4(payload), torch.tensor(COUNTS), probs, payload=payload)
-    assert torch.equal(first, second)
-    assert len(calls) == (4 if per_use else 2)
+
+    def two_steps(per_use: bool):
+        """(transpose flag of each quantization, outputs and gradients of two forwards and backwards)."""
+        torch.manual_seed(3)
+        options = FP4Options(experts="fp8", weights_per_use=per_use)
+        experts = FP8Experts(EXPERTS, _config(), _experts_builder("fp8").keywords["submodules"],
+                             pg_collection=model_parallel, options=options).to(device)
+        assert (experts.weight_cache is None) == per_use
+        calls = []
+        monkeypatch.setattr(K, "quantize_fp8_weights_stacked", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+        results = [_run(experts, ref.dequantize_mxfp4(payload), probs, grad, payload)[:3] for _ in range(2)]
+        return calls, results + [[p.grad for p in experts.parameters()]]
+
+    (cached_calls, cached), (per_use_calls, per_use) = two_steps(False), two_steps(True)
+    assert cached_calls == [False, False]  # fc1, fc2
+    assert per_use_calls == [False, False, True, True] * 2  # fc1, fc2 forward; fc2, fc1 backward
+    for ours, theirs in zip(cached, per_use):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 def test_checkpoint_keys_and_shapes_are_sequential_mlps(model_parallel, device):

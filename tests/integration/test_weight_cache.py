@@ -1,5 +1,6 @@
-"""The experts' FP8 weight cache (megatron_fp4/experts/weight_cache.py) on its own: reused while the
-weights stay the same, re-quantized after any optimizer step, an in-place write or new storage."""
+"""The FP8 weight cache (megatron_fp4/experts/weight_cache.py) on its own: reused while the weights
+stay the same, re-quantized after any optimizer step, an in-place write or new storage; the
+transposed copy made from the cached one on each request."""
 
 import torch
 
@@ -20,15 +21,36 @@ def test_reused_until_the_weights_change(device):
     cache, weights = FP8WeightCache(), _weights(device)
     first = cache.get("fc1", weights, transpose=False)
     assert cache.get("fc1", weights, transpose=False) is first  # the same step: no new quantization
-    transposed = cache.get("fc1", weights, transpose=True)
-    assert transposed is not first and transposed.data.shape == (2, 256, 128)
-    # Both orientations: data, and fp32 scales padded to 4 columns ([2, 1, 4] plain, [2, 2, 4] transposed).
-    assert cache.held_bytes() == 2 * 2 * 128 * 256 + (2 * 1 * 4 + 2 * 2 * 4) * 4
+    # Only W is held: data, and fp32 scales padded to 4 columns ([2, 1, 4]).
+    assert cache.held_bytes() == 2 * 128 * 256 + 2 * 1 * 4 * 4
 
     with torch.no_grad():
         weights[0].mul_(2)  # an in-place write through autograd (load_state_dict's copy_ is one)
     changed = cache.get("fc1", weights, transpose=False)
     assert changed is not first and _same(changed, K.quantize_fp8_weights_stacked(weights))
+
+
+def test_the_transposed_copy_is_made_from_the_cached_one_and_not_kept(device):
+    """W^T (the data gradient's) is the cached W transposed, the same bits as quantizing W^T, made
+    anew at each request, never held by the cache; only a change of the weights re-quantizes."""
+    cache, weights = FP8WeightCache(), _weights(device)
+    quantized = []
+
+    def quantize(ws, transpose):
+        quantized.append(transpose)
+        return K.quantize_fp8_weights_stacked(ws, transpose)
+
+    plain = cache.get("fc1", weights, transpose=False, quantize=quantize)
+    transposed = cache.get("fc1", weights, transpose=True, quantize=quantize)
+    assert quantized == [False] and transposed.data.shape == (2, 256, 128)
+    assert _same(transposed, K.quantize_fp8_weights_stacked(weights, transpose=True))
+    assert cache.get("fc1", weights, transpose=True, quantize=quantize) is not transposed
+    assert cache.held_bytes() == plain.data.numel() + plain.block_scales.numel() * 4
+    with torch.no_grad():
+        weights[1].mul_(-4)
+    # Backward after a change of the weights (no forward in between): W again, then transposed.
+    fresh = cache.get("fc1", weights, transpose=True, quantize=quantize)
+    assert quantized == [False, False] and _same(fresh, K.quantize_fp8_weights_stacked(weights, transpose=True))
 
 
 def test_an_optimizer_step_invalidates_even_writes_autograd_cannot_see(device):

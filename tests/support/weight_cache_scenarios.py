@@ -31,19 +31,20 @@ def _cached_modules(run: Run) -> list:
 
 
 def _copies_per_step(modules) -> int:
-    """W and W^T of each linear layer's weights: two per FP8 linear, four per experts module (fc1, fc2)."""
-    return sum(2 * len(weights) for _, _, weights, _ in modules)
+    """W of each linear layer's weights (W^T is made from it): one per FP8 linear, two per experts
+    module (fc1, fc2)."""
+    return sum(len(weights) for _, _, weights, _ in modules)
 
 
 def _stale_entries(modules) -> list:
-    """(module, weights, transposed) of every cached FP8 copy that differs from quantizing the weights now."""
+    """(module, weights) of every cached FP8 copy that differs from quantizing the weights now."""
     stale = []
     for module_name, cache, weights, quantize in modules:
-        for (name, transpose), (_, cached) in cache._entries.items():
-            fresh = quantize(weights[name], transpose)
+        for name, (_, cached) in cache._entries.items():
+            fresh = quantize(weights[name], False)
             if not (torch.equal(cached.data.view(torch.uint8), fresh.data.view(torch.uint8))
                     and torch.equal(cached.block_scales, fresh.block_scales)):
-                stale.append((module_name, name, transpose))
+                stale.append((module_name, name))
     return stale
 
 
@@ -66,9 +67,9 @@ def _optimizer_step(run: Run) -> None:
 
 
 def tracks_the_optimizer(overlap_param_gather: bool, directory: str) -> None:
-    """Weights quantized once per step (W and W^T of every FP8 linear and of the experts' fc1 and
-    fc2, for two micro-batches), never a stale copy; and a cache that ignores its stamp is caught using
-    stale copies in the next step, so the check can fail."""
+    """Weights quantized once per step (W of every FP8 linear and of the experts' fc1 and fc2, for two
+    micro-batches' forwards and backwards), never a stale copy; and a cache that ignores its stamp is
+    caught using stale copies in the next step, so the check can fail."""
     from megatron_fp4 import kernels as K
     from megatron_fp4.experts import weight_cache
 
