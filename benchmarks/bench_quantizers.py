@@ -4,9 +4,7 @@ timed the same way in the same run.
 
 The quantizers sit on the critical path of every FP8 linear and expert GEMM: BF16 -> FP8 rows
 (`quantize_fp8_rows`), ragged expert columns (`quantize_fp8_cols`, 32 experts by default, a quarter empty)
-and 128x128 weight blocks (`quantize_fp8_weight`, plain and transposed); and `transpose`: the weight
-cache's W^T, made in backward by transposing the cached FP8 W (`FP8StackedWeights.transposed`, no
-tile configs), against the copy and against quantizing W^T from BF16. Each kernel module lists
+and 128x128 weight blocks (`quantize_fp8_weight`, plain and transposed). Each kernel module lists
 its candidates in CONFIGS (the first is its default); this times every one, checks its output
 against the reference bit for bit on the first input, and prints each kernel's best.
 
@@ -18,7 +16,7 @@ ratio = share of the copy, `config` = [block_rows, block_cols, num_warps] of the
 TileConfig: rows x 128-groups for rows, tokens per pass x column quads for cols, rows per pass x
 128 for the weight; `default` marks CONFIGS[0]); about a minute at the default size.
 
-    python -m benchmarks.bench_quantizers [--sizes 16384x7168] [--kernels rows,cols,weight,weight_t,transpose]
+    python -m benchmarks.bench_quantizers [--sizes 16384x7168] [--kernels rows,cols,weight,weight_t]
 """
 
 import argparse
@@ -33,7 +31,7 @@ from benchmarks.rows import Recorder
 COPY = "device-to-device copy (read + write)"
 EXPERTS = 32
 BUFFERS = 3  # 3 x 235 MB at 16384 x 7168: each call reads an input that is not in the 50 MB L2
-KERNELS = ("rows", "cols", "weight", "weight_t", "transpose")
+KERNELS = ("rows", "cols", "weight", "weight_t")
 
 
 @dataclass
@@ -92,32 +90,6 @@ def build_cases(tokens: int, hidden: int, kernels, experts: int = EXPERTS) -> Li
             lambda x, out, t=transpose: same_fp8(out, ref.quantize_fp8_weight(x, transpose=t)),
             elements * 3 + (tokens // FP8_BLOCK) * (hidden // FP8_BLOCK) * 4)
     return [cases[k] for k in kernels]
-
-
-def time_cached_transpose(tokens: int, hidden: int, inputs: list, copy: float, recorder, args):
-    """The weight cache's W^T from its FP8 W: bandwidth against the copy, time against quantizing
-    W^T from BF16 (the default config, what the cache did before it kept W only). -> (line, exact)"""
-    import megatron_fp4 as mf
-    from megatron_fp4 import reference as ref
-    from megatron_fp4.formats import FP8_BLOCK
-
-    cached = {id(x): mf.quantize_fp8_weights_stacked([x]) for x in inputs}
-    got = cached[id(inputs[0])].transposed()[0]
-    expected = ref.quantize_fp8_weight(inputs[0], transpose=True)
-    exact = args.no_check or (_same_bits(got.data, expected.data) and _same_bits(got.scales(), expected.scales()))
-    ms = median_ms(lambda x: cached[id(x)].transposed(), inputs, args.repeats, args.batch, args.warmup)
-    requantize_ms = median_ms(lambda x: mf.quantize_fp8_weight(x, transpose=True), inputs, args.repeats, args.batch,
-                              args.warmup)
-    gbps = (2 * tokens * hidden + 2 * (tokens // FP8_BLOCK) * (hidden // FP8_BLOCK) * 4) / (ms * 1e-3) / 1e9
-    fields = {"tokens": tokens, "hidden": hidden, "ms": ms, "bit_exact": exact}
-    recorder.add("fp8_weight_cache_transposed", "bandwidth", gbps, "GB/s", COPY, copy, **fields)
-    recorder.add("fp8_weight_cache_transposed", "time", ms, "ms", "quantize_fp8_weight_t (default config, from BF16)",
-                 requantize_ms, better="lower", **fields)
-    line = (f"{'fp8_weight_cache_transposed':26s} {f'{tokens}x{hidden}':>11s} {ms:8.3f} ms {gbps:6.0f} GB/s "
-            f"{100 * gbps / copy:5.1f}%, {ms / requantize_ms:.2f}x the time of quantizing W^T from BF16"
-            f"{'' if exact else '  MISMATCH'}")
-    print(line, flush=True)
-    return line, exact
 
 
 def random_inputs(tokens: int, hidden: int, gen) -> list:
@@ -192,12 +164,7 @@ def main(argv=None) -> int:
         inputs = random_inputs(tokens, hidden, gen)
         copy = copy_gbps(tokens, hidden, inputs, args)
         print(f"\n{tokens} x {hidden}: device-to-device copy {copy:.0f} GB/s (read + write)")
-        if "transpose" in kernels:
-            line, exact = time_cached_transpose(tokens, hidden, inputs, copy, recorder, args)
-            table.append(line)
-            if not exact:
-                mismatches.append(line)
-        for case in build_cases(tokens, hidden, [k for k in kernels if k != "transpose"], args.experts):
+        for case in build_cases(tokens, hidden, kernels, args.experts):
             best = None
             for index, cfg in enumerate(case.configs):
                 started = time.time()

@@ -211,7 +211,7 @@ FLAGS = (
     Flag("weights_per_use", "With --moe-fp4-experts fp8 or --moe-fp4-linears fp8: quantize the weights to FP8 at "
          "every use instead of once per optimizer step. The default keeps one FP8 copy (128x128 blocks) of each FP8 "
          "layer's weight from the step's first forward to the next step's, about 1 byte per weight element, and "
-         "saves every later micro-batch the quantization (backward transposes that copy for the data gradient, "
+         "saves every later micro-batch the quantization of W (backward quantizes W^T for the data gradient, "
          "one layer at a time); this flag gives that memory back."),
     Flag("fused_attention", "Compute the core attention of Megatron's local layers (--transformer-impl local, "
          "standard and MLA self-attention) with torch's fused scaled-dot-product-attention kernels (flash, "

@@ -204,14 +204,3 @@ class FP8StackedWeights:
 
     def __getitem__(self, expert: int) -> FP8BlockWeight:
         return FP8BlockWeight(self.data[expert], self.block_scales[expert])
-
-    def transposed(self) -> "FP8StackedWeights":
-        """Every W_e^T in 128x128 blocks, bit for bit what quantizing W_e^T gives: each block of W^T
-        is a block of W transposed (same amax, same power-of-two scale, each element rounded alike),
-        so only the bytes and the scale grid move. A new contiguous copy, as the GEMMs need: 1 byte
-        read and 1 written per element, where quantizing W^T from BF16 reads 2 and writes 1."""
-        experts, rows, cols = self.data.shape
-        data = self.data.view(torch.uint8).transpose(1, 2).contiguous().view(torch.float8_e4m3fn)
-        block_scales = self.block_scales.new_ones(experts, cols // FP8_BLOCK, padded_scale_columns(rows))
-        block_scales[:, :, : rows // FP8_BLOCK] = self.block_scales[:, :, : cols // FP8_BLOCK].transpose(1, 2)
-        return FP8StackedWeights(data, block_scales)

@@ -318,8 +318,7 @@ def _restored(c: Ctx, kind: str) -> tuple[float, float]:
 
 def transposed_weight(c: Ctx, kind: str) -> tuple[float, float]:
     """The FP8 W^T our linears and experts make for a data-gradient GEMM and free after it, while
-    (attention, MLP) backward runs: the cached W transposed, or quantized per use
-    (--moe-fp4-weights-per-use). One linear's at a time, the largest of the phase's FP8 roles
+    (attention, MLP) backward runs, quantized from the weights in either cache mode. One linear's at a time, the largest of the phase's FP8 roles
     (none: 0), and in an MoE layer's MLP all local experts' fc1 weights at once (one stacked operand)."""
     def largest_linear(roles: set) -> float:
         shapes = fp8_linear_shapes(c.s, kind, c.p.fp8_linear_roles & roles)

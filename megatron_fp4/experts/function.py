@@ -4,7 +4,7 @@ Every GEMM is one grouped FP8 launch over all local experts' ragged token segmen
 (kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (ExpertGemms). Forward: fc1 = X W1^T (X from the MXFP4 payload by the exact
 FP4 -> FP8 row conversion, or quantized from BF16 for the FP8 baseline), SwiGLU times the probs,
 fc2 = H W2^T from 1x128 rows of H. Weights are in 128x128 blocks, quantized once per optimizer step
-(weight_cache.py; backward's W^T is that copy transposed). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
+(weight_cache.py; backward quantizes W^T for its data gradient). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
 SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the
 FP8 baseline), what its weight gradients read, as Transformer Engine's FP8 layers keep it: the fc1
 and fc2 inputs as FP8 columns (built in forward instead of backward: the same values), and the
@@ -202,6 +202,6 @@ def _linear_backward(call: ExpertsCall, name: str, grad: torch.Tensor, input_col
     an expert without tokens)."""
     transposed = _fp8_weights(call, name, weights, True)
     grad_input = _linear_forward(call, K.quantize_fp8_rows(grad), transposed, grad.dtype)
-    del transposed  # W^T is made for this GEMM (cached W transposed, or quantized per use): not kept for the wgrad
+    del transposed  # W^T is quantized for this GEMM: not kept for the wgrad
     grad_cols = K.quantize_fp8_cols(grad, call.segments.counts_device, check_counts=False)
     return grad_input, wgrads(weights, grad_cols, input_cols)

@@ -11,9 +11,11 @@ before asking for their weights: so the first forward after a step re-quantizes,
 values. Writes that bypass both (a plain `param.data.copy_()` outside an optimizer step) are not
 seen: call `invalidate()` after them.
 
-Only W (the forward's operand) is kept. The data gradient's W^T is made from it when backward asks
-(FP8StackedWeights.transposed: with 128x128 blocks, the same bits as quantizing W^T) and lives only
-for that GEMM. Memory: one FP8 byte per weight element (plus an fp32 scale per 128x128 block), held
+Only W (the forward's operand) is kept. The data gradient's W^T is quantized from the weights when
+backward asks and lives only for that GEMM. (Transposing the cached W's bytes would give the same
+bits, since each 128x128 block of W^T is a block of W transposed, but torch's transposing copy of
+one-byte elements ran at 7.8% of copy bandwidth on an H200, 7x the time of quantizing W^T from BF16:
+bench_quantizers, rows of commit 73eb394.) Memory: one FP8 byte per weight element (plus an fp32 scale per 128x128 block), held
 from the first forward of a step to the first forward of the next, and during backward one linear
 layer's W^T at a time (the experts': all local experts' fc2, then fc1).
 """
@@ -57,15 +59,16 @@ class FP8WeightCache:
             ) -> FP8StackedWeights:
         """The 128x128-block FP8 copy of `weights` (stacked) made by `quantize` (default:
         K.quantize_fp8_weights_stacked), quantized now if the weights changed since the last copy.
-        transpose: a new W^T made from the cached W, not kept here: the caller frees it after its
-        GEMM."""
+        transpose: W^T quantized now and not kept here: the caller frees it after its GEMM."""
         quantize = quantize or K.quantize_fp8_weights_stacked
+        if transpose:
+            return quantize(weights, True)
         stamp = _stamp(weights)
         entry = self._entries.get(name)
         if entry is None or entry[0] != stamp:
             entry = (stamp, quantize(weights, False))
             self._entries[name] = entry
-        return entry[1].transposed() if transpose else entry[1]
+        return entry[1]
 
     def invalidate(self) -> None:
         self._entries.clear()

@@ -30,13 +30,13 @@ from ._transposed_tiles import load_slice, quad_columns, store_column_words
 # vectors. Fully unrolled, the two-pass candidates issue 17-19 SASS instructions per element
 # against 24 for one pass (whose 128-row reductions take more shuffles), but rely on the re-read
 # hitting L2. The sweep's candidates (benchmarks/bench_quantizers.py); the default (first) was the
-# fastest on H200 at 16384 x 7168, 32 ragged experts (63.8% of the copy; one pass, kept as the
-# reference, 45.9%; 64x32 and 32x64 on 8 warps 53.2% and 48.7%, dropped). Smaller programs did
-# better, so the next sweep tries two smaller ones.
+# fastest on H200 at 16384 x 7168, 32 ragged experts (commit 73eb394: 67.2% of the copy; 32x32 on
+# 4 warps 63.8%, 16x64 on 4 warps 22.5%, one pass (kept as the reference) 45.8%; earlier, 64x32 and
+# 32x64 on 8 warps 53.2% and 48.7%, dropped).
 CONFIGS = (
+    TileConfig(block_rows=32, block_cols=16, num_warps=2),
     TileConfig(block_rows=32, block_cols=32, num_warps=4),
     TileConfig(block_rows=16, block_cols=64, num_warps=4),
-    TileConfig(block_rows=32, block_cols=16, num_warps=2),
     TileConfig(block_rows=FP8_BLOCK, block_cols=16, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]

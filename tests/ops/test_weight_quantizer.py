@@ -92,20 +92,3 @@ def assert_same_stacked(actual: mf.FP8StackedWeights, expected: mf.FP8StackedWei
     assert_same_bits(actual.data, expected.data)
     assert_same_bits(actual.block_scales, expected.block_scales)  # the scale columns' 1.0 padding too
 
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_transposing_the_quantized_weights_equals_quantizing_the_transposed(device, dtype):
-    """What the weight cache hands the data gradient (FP8StackedWeights.transposed of the cached W)
-    is bit for bit the quantized W^T, for stacked experts whose blocks all differ: 3 x 5 blocks
-    (scale columns padded 5 -> 8 plain, 3 -> 4 transposed), NaN / Inf, subnormals, a 2^20 range
-    inside one block, an all-zero block, and each expert at its own scale."""
-    weights = [random_input(384, 640, dtype, seed=60 + i, device=device) * 2.0**(4 * i - 6) for i in range(3)]
-    weights[1] = hard_input(384, 640, dtype, seed=63, device=device)
-    weights[1][256:384, 256:384] = 0.0
-    plain = mf.quantize_fp8_weights_stacked(weights)
-    transposed = plain.transposed()
-    assert transposed.data.shape == (3, 640, 384) and transposed.block_scales.shape == (3, 5, 4)
-    assert_same_stacked(transposed, mf.quantize_fp8_weights_stacked(weights, transpose=True))
-    for e, w in enumerate(weights):
-        assert_same_weight(transposed[e], ref.quantize_fp8_weight(w, transpose=True))
-    assert_same_stacked(transposed.transposed(), plain)
