@@ -240,6 +240,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _some_layer_dense(moe_layer_freq) -> bool:
+    """Megatron's moe_layer_freq: every N-th layer MoE (N > 1 leaves dense layers) or a 0/1 list per
+    layer; anything else (an unparsed pattern string) counts as possibly dense."""
+    if isinstance(moe_layer_freq, int):
+        return moe_layer_freq > 1
+    if isinstance(moe_layer_freq, (list, tuple)):
+        return 0 in moe_layer_freq
+    return True
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """What the refusals need to know of the Megatron run, read the same way from parsed arguments
@@ -270,6 +280,9 @@ class ModelSettings:
     local_cuda_graphs: bool  # Megatron then never checkpoints a MoE layer (moe_layer_recompute off)
     inference_optimized: bool
     attention_dropout: float
+    multi_latent_attention: bool
+    has_dense_mlp: bool  # some layer's MLP is dense (no experts, or moe_layer_freq leaves layers dense)
+    has_shared_experts: bool
     reset_attention_mask: bool  # data-loader masks with document boundaries (arguments only)
     # Checkpoints of the distributed optimizer in its default, parameter-ordered format (a config
     # does not say: then FP8Experts check the format at save and load).
@@ -317,6 +330,9 @@ class ModelSettings:
             local_cuda_graphs=get("cuda_graph_impl") == "local",
             inference_optimized=get("transformer_impl") == "inference_optimized",
             attention_dropout=get("attention_dropout") or 0.0,
+            multi_latent_attention=bool(get("multi_latent_attention", False)),
+            has_dense_mlp=not num_experts or _some_layer_dense(get("moe_layer_freq", 1)),
+            has_shared_experts=bool(num_experts and get("moe_shared_expert_intermediate_size")),
             reset_attention_mask=bool(get("reset_attention_mask", False)),
             bucket_space_checkpoints=bool(
                 (get("use_distributed_optimizer", False) or get("use_layer_wise_distributed_optimizer", False))
@@ -389,6 +405,13 @@ class Refusal:
 FP8 = ExpertsPrecision.FP8
 _fp8_experts = lambda o: o.experts is FP8  # noqa: E731
 _fp8_linears = lambda o: o.linears is LinearsPrecision.FP8  # noqa: E731
+
+
+def _linear_roles(model: ModelSettings) -> FrozenSet[LinearRole]:
+    """The roles the model's linear layers have."""
+    present = {LinearRole.ATTENTION: True, LinearRole.MLA_UP_PROJECTION: model.multi_latent_attention,
+               LinearRole.DENSE_MLP: model.has_dense_mlp, LinearRole.SHARED_EXPERTS: model.has_shared_experts}
+    return frozenset(role for role, there in present.items() if there)
 _fp4_payload = lambda o: o.dispatch or o.cache or o.saved_input  # noqa: E731
 _moe = lambda o: o.touches_moe_layers  # noqa: E731
 
@@ -415,10 +438,10 @@ REFUSALS = (
             lambda o, m, e, r: o.bf16_linears and not _fp8_linears(o),
             "--moe-fp4-bf16-linears picks roles to keep out of --moe-fp4-linears fp8: add --moe-fp4-linears fp8 or "
             "drop it."),
-    Refusal("--moe-fp4-bf16-linears naming every role",
-            lambda o, m, e, r: o.bf16_linears == frozenset(LinearRole),
-            "--moe-fp4-bf16-linears names every role, which leaves no FP8 linear layer: drop --moe-fp4-linears fp8 "
-            "and --moe-fp4-bf16-linears instead."),
+    Refusal("--moe-fp4-bf16-linears naming every role the model has",
+            lambda o, m, e, r: o.bf16_linears >= _linear_roles(m),
+            "--moe-fp4-bf16-linears names every role this model's linear layers have, which leaves no FP8 linear "
+            "layer: drop --moe-fp4-linears fp8 and --moe-fp4-bf16-linears instead."),
     Refusal("--moe-fp4-linears-grad bf16 without FP8 linears",
             lambda o, m, e, r: o.linears_grad is GradFormat.BF16 and not _fp8_linears(o),
             "--moe-fp4-linears-grad is about the backward of --moe-fp4-linears fp8: add --moe-fp4-linears fp8 or "

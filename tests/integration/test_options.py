@@ -315,11 +315,34 @@ def test_bf16_linears_flag_parses_and_needs_fp8_linears_with_a_role_left():
     options = FP4Options(linears="fp8", bf16_linears=["attention"])
     assert not options.fp8_linear(LinearRole.ATTENTION) and options.fp8_linear(LinearRole.DENSE_MLP)
     assert not FP4Options(bf16_linears=["mlp"]).fp8_linear(LinearRole.ATTENTION)
-    _check(_fp8_linears(moe_fp4_bf16_linears=["attention"]))
+    _check(_fp8_linears(moe_fp4_bf16_linears=["attention"], moe_shared_expert_intermediate_size=1024))
     with pytest.raises(UnsupportedConfiguration, match="add --moe-fp4-linears fp8"):
         _check(_fp8_linears(moe_fp4_linears="bf16", moe_fp4_bf16_linears=["attention"]))
     with pytest.raises(UnsupportedConfiguration, match="names every role"):
         _check(_fp8_linears(moe_fp4_bf16_linears=[r.value for r in LinearRole]))
+
+
+@pytest.mark.parametrize("model, bf16_roles, refused", [
+    # Every layer MoE, no shared experts, standard attention: the attention projections are all there is.
+    ({}, ["attention"], True),
+    ({}, ["mlp", "shared_experts", "mla_up_proj"], False),
+    ({"moe_layer_freq": [0, 1, 1]}, ["attention"], False),  # a dense first layer
+    ({"moe_layer_freq": [0, 1, 1]}, ["attention", "mlp"], True),
+    ({"moe_layer_freq": 2}, ["attention", "mlp"], True),
+    ({"moe_layer_freq": "([0]+[1]*2)"}, ["attention"], False),  # not parsed here: possibly dense
+    ({"moe_shared_expert_intermediate_size": 1024}, ["attention"], False),
+    ({"multi_latent_attention": True}, ["attention"], False),
+    ({"multi_latent_attention": True, "num_experts": None}, ["attention", "mla_up_proj"], False),  # dense model
+    ({"multi_latent_attention": True, "num_experts": None, "moe_fp4_dispatch": False},
+     ["attention", "mla_up_proj", "mlp"], True),
+])
+def test_bf16_linears_refused_when_they_leave_the_model_no_fp8_linear(model, bf16_roles, refused):
+    config = _fp8_linears(moe_fp4_bf16_linears=bf16_roles, **model)
+    if refused:
+        with pytest.raises(UnsupportedConfiguration, match="names every role this model"):
+            _check(config)
+    else:
+        _check(config)
 
 
 def test_linears_grad_flag_parses_and_needs_fp8_linears():
