@@ -204,7 +204,8 @@ FLAGS = (
     Flag("linears_grad", "With --moe-fp4-linears fp8: the gradients of those layers' backward GEMMs: fp8 (the "
          "gradient in E4M3 1x128 blocks, the input gradient against the FP8 weight, the weight gradient against "
          "the FP8 saved input) or bf16 (the gradient unquantized: both backward GEMMs in BF16, against the BF16 "
-         "weight and the saved input dequantized to BF16, exactly its FP8 or MXFP4 values). The forward and what "
+         "weight and the saved input dequantized to BF16, exactly its FP8 or MXFP4 values, or the input itself "
+         "where it is kept by reference). The forward and what "
          "is saved stay as they are; bf16 costs backward time (two of the three GEMMs in BF16) and, during each "
          "layer's backward, a BF16 copy of its saved input. For convergence comparisons (docs/convergence.md).",
          GradFormat),
@@ -405,6 +406,8 @@ class Refusal:
 FP8 = ExpertsPrecision.FP8
 _fp8_experts = lambda o: o.experts is FP8  # noqa: E731
 _fp8_linears = lambda o: o.linears is LinearsPrecision.FP8  # noqa: E731
+_fp4_payload = lambda o: o.dispatch or o.cache or o.saved_input  # noqa: E731
+_moe = lambda o: o.touches_moe_layers  # noqa: E731
 
 
 def _linear_roles(model: ModelSettings) -> FrozenSet[LinearRole]:
@@ -412,8 +415,7 @@ def _linear_roles(model: ModelSettings) -> FrozenSet[LinearRole]:
     present = {LinearRole.ATTENTION: True, LinearRole.MLA_UP_PROJECTION: model.multi_latent_attention,
                LinearRole.DENSE_MLP: model.has_dense_mlp, LinearRole.SHARED_EXPERTS: model.has_shared_experts}
     return frozenset(role for role, there in present.items() if there)
-_fp4_payload = lambda o: o.dispatch or o.cache or o.saved_input  # noqa: E731
-_moe = lambda o: o.touches_moe_layers  # noqa: E731
+
 
 REFUSALS = (
     # What the flags need of each other.

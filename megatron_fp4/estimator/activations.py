@@ -130,7 +130,8 @@ def _output_projection_input(c: Ctx, attention: dict, features: float) -> dict:
     (module.saved_by_its_producer); else its own FP8 / MXFP4 copy.
     """
     if c.p.fp8_linear(ATTENTION):
-        if "attn_out_bf16" in attention:
+        # Decided in the run's first forward, which a recompute of other modules never re-runs.
+        if c.s.fused_attention and "core_attn" not in c.run_recompute:
             return {}
         return {"proj_in": c.tokens * features * c.linear_input(ATTENTION)}
     saves_original = not c.p.fp8 or (c.s.te and c.p.fp8_recipe != "delayed")
@@ -317,9 +318,10 @@ def _restored(c: Ctx, kind: str) -> tuple[float, float]:
 
 
 def transposed_weight(c: Ctx, kind: str) -> tuple[float, float]:
-    """The FP8 W^T our linears and experts make for a data-gradient GEMM and free after it, while
-    (attention, MLP) backward runs, quantized from the weights in either cache mode. One linear's at a time, the largest of the phase's FP8 roles
-    (none: 0), and in an MoE layer's MLP all local experts' fc1 weights at once (one stacked operand)."""
+    """The FP8 W^T our linears and experts quantize for a data-gradient GEMM and free after it, while
+    (attention, MLP) backward runs, in either cache mode. One linear's at a time, the largest of the
+    phase's FP8 roles (none: 0), and in an MoE layer's MLP all local experts' fc1 weights at once
+    (one stacked operand)."""
     def largest_linear(roles: set) -> float:
         shapes = fp8_linear_shapes(c.s, kind, c.p.fp8_linear_roles & roles)
         return max(map(fp8_linear_copy_elements, shapes), default=0) * FP8_128X128_BYTES

@@ -1,10 +1,11 @@
 """The experts' forward and backward as one autograd function over all local experts.
 
 Every GEMM is one grouped FP8 launch over all local experts' ragged token segments
-(kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (ExpertGemms). Forward: fc1 = X W1^T (X from the MXFP4 payload by the exact
-FP4 -> FP8 row conversion, or quantized from BF16 for the FP8 baseline), SwiGLU times the probs,
-fc2 = H W2^T from 1x128 rows of H. Weights are in 128x128 blocks, quantized once per optimizer step
-(weight_cache.py; backward quantizes W^T for its data gradient). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
+(kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (ExpertGemms). Forward:
+fc1 = X W1^T (X from the MXFP4 payload by the exact FP4 -> FP8 row conversion, or quantized from
+BF16 for the FP8 baseline), SwiGLU times the probs, fc2 = H W2^T from 1x128 rows of H. Weights are
+in 128x128 blocks, quantized once per optimizer step (weight_cache.py; backward quantizes W^T for
+its data gradient). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
 SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the
 FP8 baseline), what its weight gradients read, as Transformer Engine's FP8 layers keep it: the fc1
 and fc2 inputs as FP8 columns (built in forward instead of backward: the same values), and the
@@ -184,9 +185,9 @@ def _release_saved_fp4(ctx) -> None:
 
 
 def _fp8_weights(call: ExpertsCall, name: str, weights, transpose: bool) -> FP8StackedWeights:
-    if call.weight_cache is None:
+    if call.weight_cache is None or transpose:  # W^T is quantized for its one GEMM in either mode
         return K.quantize_fp8_weights_stacked(weights, transpose)
-    return call.weight_cache.get(name, weights, transpose)
+    return call.weight_cache.get(name, weights)
 
 
 def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:

@@ -54,15 +54,12 @@ class FP8WeightCache:
     def __init__(self):
         self._entries: Dict[str, Tuple[Tuple, FP8StackedWeights]] = {}
 
-    def get(self, name: str, weights: Sequence[torch.Tensor], transpose: bool,
+    def get(self, name: str, weights: Sequence[torch.Tensor],
             quantize: Optional[Callable[[Sequence[torch.Tensor], bool], FP8StackedWeights]] = None
             ) -> FP8StackedWeights:
-        """The 128x128-block FP8 copy of `weights` (stacked) made by `quantize` (default:
-        K.quantize_fp8_weights_stacked), quantized now if the weights changed since the last copy.
-        transpose: W^T quantized now and not kept here: the caller frees it after its GEMM."""
+        """W: the 128x128-block FP8 copy of `weights` (stacked) made by `quantize` (default:
+        K.quantize_fp8_weights_stacked), quantized now if the weights changed since the last copy."""
         quantize = quantize or K.quantize_fp8_weights_stacked
-        if transpose:
-            return quantize(weights, True)
         stamp = _stamp(weights)
         entry = self._entries.get(name)
         if entry is None or entry[0] != stamp:

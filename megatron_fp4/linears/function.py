@@ -72,9 +72,9 @@ def quantize_weight_padded(weights, transpose: bool):
 
 
 def _fp8_weight(call: LinearCall, weight: torch.Tensor, transpose: bool):
-    if call.weight_cache is None:
+    if call.weight_cache is None or transpose:  # W^T is quantized for its one GEMM in either mode
         return quantize_weight_padded([weight], transpose)
-    return call.weight_cache.get("weight", [weight], transpose, quantize_weight_padded)
+    return call.weight_cache.get("weight", [weight], quantize_weight_padded)
 
 
 def _padded_columns(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -132,13 +132,9 @@ def _bf16_backward(ctx, call: LinearCall, grad_output):
     if ctx.needs_input_grad[1]:
         grad_input = (grad2d @ weight.to(grad2d.dtype)).view(*grad_output.shape[:-1], ctx.in_features)
     if ctx.needs_input_grad[2]:
+        # A BF16 product, added to an fp32 main_grad as Megatron's BF16 linears add theirs.
         product = grad2d.t() @ _saved_input_bf16(ctx, call, grad2d.shape[0], grad2d.dtype)
-        main_grads = fused_main_grads([weight], call.accumulate_in_main_grad)
-        if main_grads is None:
-            grad_weight = product.to(weight.dtype)
-        else:
-            main_grads[0].add_(product)
-            grad_weight = added_to_main_grad(weight, grad2d.dtype)
+        grad_weight = _returned_or_accumulated(call, weight, product, grad2d.dtype)
     return grad_input, grad_weight
 
 
@@ -176,8 +172,15 @@ def _weight_gradient(call: LinearCall, segments, weight, grad_cols, input_cols, 
     if main_grads is not None and grad_cols.shape[0] == weight.shape[0]:
         per_expert_wgrad(segments, grad_cols, input_cols, dtype, accumulate_into=main_grads)
         return added_to_main_grad(weight, dtype)
-    grad_weight = per_expert_wgrad(segments, grad_cols, input_cols, dtype)[0, : weight.shape[0]]
-    if main_grads is not None:  # padded output features: the product has extra rows
-        main_grads[0].add_(grad_weight)
-        return added_to_main_grad(weight, dtype)
-    return grad_weight.to(weight.dtype)
+    # Padded output features: the product has extra rows, dropped before the main_grad add.
+    product = per_expert_wgrad(segments, grad_cols, input_cols, dtype)[0, : weight.shape[0]]
+    return _returned_or_accumulated(call, weight, product, dtype)
+
+
+def _returned_or_accumulated(call: LinearCall, weight, grad_weight, dtype):
+    """dW returned, or added into main_grad under Megatron's fused accumulation (a dummy returned)."""
+    main_grads = fused_main_grads([weight], call.accumulate_in_main_grad)
+    if main_grads is None:
+        return grad_weight.to(weight.dtype)
+    main_grads[0].add_(grad_weight)
+    return added_to_main_grad(weight, dtype)

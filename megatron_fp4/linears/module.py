@@ -74,6 +74,15 @@ class _FP8Settings:
                    options.linears_grad)
 
 
+# Whether saved-tensor hooks are active here (what save_for_backward asks), without a public query:
+# a torch private function; where a release lacks it, hooks count as active (keep a copy: safe).
+_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    return _top_saved_tensor_hooks is None or _top_saved_tensor_hooks(False) is not None
+
+
 def saved_by_its_producer(x: torch.Tensor) -> bool:
     """Whether the op that produced x (x itself or the tensor x is a view of) keeps x's storage for
     its own backward as the tensor itself: torch's fused SDPA kernels save their output, which the
@@ -83,8 +92,7 @@ def saved_by_its_producer(x: torch.Tensor) -> bool:
     the tensor) or packs what this layer saves, and wherever the storage is another one (a copy)."""
     produced = x if x._base is None else x._base
     saved = getattr(produced.grad_fn, "_raw_saved_output", None)
-    # Without a public query: whether saved-tensor hooks are active here (what save_for_backward asks).
-    if saved is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    if saved is None or _saved_tensor_hooks_active():
         return False
     kept = saved.data  # what the producer holds, not unpacked: the tensor, or a hook's package of it
     return isinstance(kept, torch.Tensor) and kept.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()

@@ -212,3 +212,12 @@ def test_fused_kernels_save_the_output_the_projection_reads(model_parallel, monk
         del out, y
     print(f"q/k {qk_dim}, v {v_dim}, b {b}, {layout}: served by {served}")
     assert served
+
+
+def test_the_private_hook_query_exists_on_this_torch():
+    """Without it every projection keeps its own copy (safe, but the saving is lost): fail loudly."""
+    from megatron_fp4.linears import module
+
+    assert module._top_saved_tensor_hooks is not None and not module._saved_tensor_hooks_active()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert module._saved_tensor_hooks_active()

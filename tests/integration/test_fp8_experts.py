@@ -264,9 +264,8 @@ def test_per_expert_gemms_match_the_grouped_ones(model_parallel, device):
 
 
 def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):
-    """Two forwards and backwards with the same weights quantize W of fc1 and fc2 once, their W^T
-    being made from those copies; with --moe-fp4-weights-per-use W and W^T at every use. Both give
-    the same bits."""
+    """Two forwards and backwards with the same weights quantize W of fc1 and fc2 once and their W^T
+    in each backward; with --moe-fp4-weights-per-use W and W^T at every use. Both give the same bits."""
     from megatron_fp4 import kernels as K
 
     payload, probs, grad = _inputs(device)
@@ -285,7 +284,7 @@ def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, 
         return calls, results + [[p.grad for p in experts.parameters()]]
 
     (cached_calls, cached), (per_use_calls, per_use) = two_steps(False), two_steps(True)
-    assert cached_calls == [False, False]  # fc1, fc2
+    assert cached_calls == [False, False] + [True, True] * 2  # fc1, fc2 forward once; fc2, fc1 backward
     assert per_use_calls == [False, False, True, True] * 2  # fc1, fc2 forward; fc2, fc1 backward
     for ours, theirs in zip(cached, per_use):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

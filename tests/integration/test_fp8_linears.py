@@ -502,7 +502,6 @@ def test_bf16_linears_leave_their_roles_to_megatron(bf16_roles):
     assert moe_layer.mlp.keywords["submodules"].experts.func is FP8Experts
 
 
-
 def test_fp8_specs_pass_megatrons_class_checks():
     """megatron-core's MLA picks its down-projections' arguments by `spec in [..., ColumnParallelLinear]`
     and refuses anything else (DeepSeek-V3's layers: tests/support/attention_projection_scenarios.py

@@ -1,6 +1,6 @@
 """The FP8 weight cache (megatron_fp4/experts/weight_cache.py) on its own: reused while the weights
-stay the same, re-quantized after any optimizer step, an in-place write or new storage; the
-transposed copy quantized on each request and never kept."""
+stay the same, re-quantized after any optimizer step, an in-place write or new storage. It holds W only: the
+layers quantize W^T in each backward (tests/integration/test_fp8_linears.py, test_fp8_experts.py)."""
 
 import torch
 
@@ -19,55 +19,30 @@ def _same(a, b) -> bool:
 
 def test_reused_until_the_weights_change(device):
     cache, weights = FP8WeightCache(), _weights(device)
-    first = cache.get("fc1", weights, transpose=False)
-    assert cache.get("fc1", weights, transpose=False) is first  # the same step: no new quantization
+    first = cache.get("fc1", weights)
+    assert cache.get("fc1", weights) is first  # the same step: no new quantization
     # Only W is held: data, and fp32 scales padded to 4 columns ([2, 1, 4]).
     assert cache.held_bytes() == 2 * 128 * 256 + 2 * 1 * 4 * 4
 
     with torch.no_grad():
         weights[0].mul_(2)  # an in-place write through autograd (load_state_dict's copy_ is one)
-    changed = cache.get("fc1", weights, transpose=False)
+    changed = cache.get("fc1", weights)
     assert changed is not first and _same(changed, K.quantize_fp8_weights_stacked(weights))
-
-
-def test_the_transposed_copy_is_quantized_at_each_request_and_not_kept(device):
-    """W^T (the data gradient's) is quantized anew at each request and never held by the cache, and
-    asking for it neither re-quantizes nor replaces the cached W."""
-    cache, weights = FP8WeightCache(), _weights(device)
-    quantized = []
-
-    def quantize(ws, transpose):
-        quantized.append(transpose)
-        return K.quantize_fp8_weights_stacked(ws, transpose)
-
-    plain = cache.get("fc1", weights, transpose=False, quantize=quantize)
-    transposed = cache.get("fc1", weights, transpose=True, quantize=quantize)
-    assert quantized == [False, True] and transposed.data.shape == (2, 256, 128)
-    assert _same(transposed, K.quantize_fp8_weights_stacked(weights, transpose=True))
-    assert cache.get("fc1", weights, transpose=True, quantize=quantize) is not transposed
-    assert cache.get("fc1", weights, transpose=False, quantize=quantize) is plain
-    assert quantized == [False, True, True]
-    assert cache.held_bytes() == plain.data.numel() + plain.block_scales.numel() * 4
-    with torch.no_grad():
-        weights[1].mul_(-4)
-    # Backward after a change of the weights (no forward in between): W^T of the new values.
-    fresh = cache.get("fc1", weights, transpose=True, quantize=quantize)
-    assert _same(fresh, K.quantize_fp8_weights_stacked(weights, transpose=True))
 
 
 def test_an_optimizer_step_invalidates_even_writes_autograd_cannot_see(device):
     """Megatron's optimizers may write the new weights through .data (no version bump): the step
     itself, seen through torch's global optimizer hook, invalidates the copies."""
     cache, weights = FP8WeightCache(), _weights(device)
-    stale = cache.get("fc2", weights, transpose=False)
+    stale = cache.get("fc2", weights)
     weights[1].data.copy_(weights[1].data * 4)  # invisible to the version counter
-    assert cache.get("fc2", weights, transpose=False) is stale  # documented: call invalidate() after such writes
+    assert cache.get("fc2", weights) is stale  # documented: call invalidate() after such writes
     other = torch.nn.Parameter(torch.zeros(1, device=device))
     other.grad = torch.ones(1, device=device)
     steps = optimizer_steps()
     torch.optim.SGD([other], lr=0.1).step()  # any optimizer's step
     assert optimizer_steps() == steps + 1
-    fresh = cache.get("fc2", weights, transpose=False)
+    fresh = cache.get("fc2", weights)
     assert fresh is not stale and _same(fresh, K.quantize_fp8_weights_stacked(weights))
     cache.invalidate()
     assert cache.held_bytes() == 0

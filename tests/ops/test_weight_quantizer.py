@@ -85,10 +85,3 @@ def test_quantize_fp8_weight_refuses_bad_shapes(device):
         mf.quantize_fp8_weight(torch.zeros(100, 256, device=device))
     with pytest.raises(ValueError, match="multiple of 128"):
         mf.quantize_fp8_weight(torch.zeros(128, 200, device=device))
-
-
-def assert_same_stacked(actual: mf.FP8StackedWeights, expected: mf.FP8StackedWeights) -> None:
-    assert actual.data.is_contiguous() and actual.block_scales.is_contiguous()
-    assert_same_bits(actual.data, expected.data)
-    assert_same_bits(actual.block_scales, expected.block_scales)  # the scale columns' 1.0 padding too
-
