@@ -22,8 +22,8 @@ out-of-memory message. Rows: bench proxy_memory (max allocated against the estim
 allocator's peak, or what it wanted at the OOM, against the cap; FP4's peak against FP8's at the
 same scope) and bench proxy_throughput (tokens/s against BF16 at the same scope; each precision's
 best fitting run under the cap against FP8's), appended to $MEGATRON_FP4_BENCH_RESULTS (default
-benchmarks/results/). A table of the runs ends the output. Exit status 0 when every run ended as
-trained or OOM, 1 otherwise (a refusal, a crash, a time-out).
+benchmarks/results/). A table of the runs ends the output. Exit status 0 when every run started
+(see --budget-s) and ended as trained or OOM, 1 otherwise (a refusal, a crash, a time-out).
 """
 
 import argparse
@@ -44,6 +44,9 @@ def parse_args(argv):
                    help="configs/proxy/ names without .yaml, in order (default: the runs above)")
     p.add_argument("--every-capped", action="store_true",
                    help="default runs: also BF16 and FP8 at the lightest scope under the cap")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="seconds for all runs: a run that could not finish inside what is left is not started "
+                        "(listed as such), and the rows of the runs before it are still written")
     p.add_argument("--time-limit", type=float, default=150.0, metavar="S",
                    help="seconds one run may take before it is stopped (default 150)")
     p.add_argument("--train-iters", type=int, metavar="N", help="override the configs' train_iters (30)")
@@ -84,8 +87,12 @@ def main(argv=None) -> int:
     estimates = {config: estimate_of(configs[config].path) for config in configs}
     total = len(runs)
     print(f"{total} runs, {args.time_limit:g} s each at most; logs in {args.runs_dir}")
-    measured = []
+    measured, not_started, begun = [], [], time.monotonic()
     for n, run in enumerate(runs, 1):
+        if args.budget_s is not None and not args.dry_run and time.monotonic() - begun + args.time_limit > args.budget_s:
+            not_started = runs[n - 1:]
+            print(f"--budget-s {args.budget_s:g}: not started: {', '.join(map(str, not_started))}", flush=True)
+            break
         config = configs[run.config]
         cap = config.cluster.get("gpu_memory_gib")
         e = estimates[run.config]
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
     throughput.write()
     print(summary(measured))
     expected_endings = (proxy_log.TRAINED, proxy_log.OUT_OF_MEMORY)
-    return 0 if all(m.outcome in expected_endings for m in measured) else 1
+    return 0 if not not_started and all(m.outcome in expected_endings for m in measured) else 1
 
 
 if __name__ == "__main__":

@@ -231,6 +231,22 @@ def test_a_run_past_its_time_limit_is_stopped(tmp_path, monkeypatch):
     assert result.outcome == "timed out" and result.exit_status is None and result.seconds < 30
 
 
+def test_a_run_that_would_outlast_the_budget_is_not_started_and_the_rows_are_written(tmp_path, monkeypatch, capsys):
+    canned = tmp_path / "canned.log"
+    canned.write_text(trained_log())
+    # The stand-in trainer sleeps 2 s: after the first run, less than --time-limit is left of --budget-s.
+    monkeypatch.setenv("TORCHRUN", _stand_in_torchrun(
+        f"import time; time.sleep(2); print(open({str(canned)!r}).read(), end='')"))
+    monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "results"))
+    status = bench_proxy_memory.main(["--runs", "memcap1_bf16_attn_ln_moe", "memcap1_bf16_attn_ln_mlp",
+                                      "--time-limit", "30", "--budget-s", "31", "--runs-dir", str(tmp_path / "runs")])
+    out = capsys.readouterr().out
+    assert status == 1, out[-2000:]
+    assert "--budget-s 31: not started: memcap1_bf16_attn_ln_mlp" in out
+    written = [json.loads(line) for line in (tmp_path / "results" / "proxy_memory.jsonl").read_text().splitlines()]
+    assert {row["case"].split(",")[0] for row in written} == {"proxy/memcap1_bf16_attn_ln_moe.yaml"}
+
+
 def test_the_runners_dry_run_lists_runs_and_estimates(capsys):
     assert bench_proxy_memory.main(["--dry-run", "--runs", "memcap1_fp4_attn", "memcap1_bf16_attn:uncapped"]) == 0
     out = capsys.readouterr().out
