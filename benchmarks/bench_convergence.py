@@ -61,7 +61,7 @@ CONFIGS = REPO / "configs" / "convergence"
 LAUNCH = REPO / "scripts" / "launch.py"
 DEFAULT_CORPUS = REPO / "runs" / "corpus" / "python_sources"
 REFERENCE_CONFIG = "bf16"
-SEEDS = (1234, 5678)
+SEEDS = (1234, 5678, 9012, 3456)
 LOSS_UNIT = "nats/token"
 DEFAULT_ITERS = 2000
 STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL (the trainer saves nothing on SIGTERM)
@@ -91,9 +91,11 @@ class Run:
 
 
 def _catalogue() -> Dict[str, Run]:
-    first, second = SEEDS
+    first, second = SEEDS[:2]
     runs = [Run(precision, precision, first) for precision in ("bf16", "fp8", "fp4")]
-    runs += [Run(f"{precision}_seed2", precision, second) for precision in ("bf16", "fp8", "fp4")]
+    # Seeds 2, 3, 4: each seed's runs differ from the first seed's in initialization and data order.
+    runs += [Run(f"{precision}_seed{n}", precision, seed)
+             for n, seed in enumerate(SEEDS[1:], 2) for precision in ("bf16", "fp8", "fp4")]
     runs += [Run("bf16_repeat", "bf16", first),  # the kernels' nondeterminism
              Run("bf16_init2", "bf16", second, data_seed=first)]  # another init, the same data order
     runs += [Run(name, name, first) for name in ("fp4_dispatch", "fp4_dispatch_experts", "fp4_dispatch_experts_linears")]

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     memory.write()
     throughput.write()
     print(summary(measured))
-    expected_endings = (proxy_log.TRAINED, proxy_log.OUT_OF_MEMORY)
+    expected_endings = (*proxy_log.TRAINED_OUTCOMES, proxy_log.OUT_OF_MEMORY)
     return 0 if not not_started and all(m.outcome in expected_endings for m in measured) else 1
 
 

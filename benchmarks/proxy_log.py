@@ -36,6 +36,11 @@ REFUSAL = re.compile(r"^error: (?P<sentence>.+)$", re.MULTILINE)
 UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 TRAINED, OUT_OF_MEMORY, REFUSED, FAILED, TIMED_OUT = "trained", "OOM", "refused", "failed", "timed out"
+# Stopped by the runner after Megatron's last iteration and its "[after training is done]" line: the
+# peaks and tokens/s are complete (a cold Triton cache can push a whole run past --time-limit).
+TRAINED_THEN_STOPPED = "trained, stopped at exit"
+TRAINING_DONE = re.compile(r"^\[after training is done\]", re.MULTILINE)
+TRAINED_OUTCOMES = (TRAINED, TRAINED_THEN_STOPPED)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class IterationLine:
     iteration: int
     ms_per_iteration: float
     global_batch: int
+    total: int  # the run's --train-iters
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,8 @@ def peak_memory(log: str, rank: int = 0) -> Optional[MemoryReport]:
 
 
 def iteration_lines(log: str) -> List[IterationLine]:
-    return [IterationLine(int(m["iteration"]), float(m["ms"]), int(m["batch"])) for m in ITERATION.finditer(log)]
+    return [IterationLine(int(m["iteration"]), float(m["ms"]), int(m["batch"]), int(m["total"]))
+            for m in ITERATION.finditer(log)]
 
 
 def tokens_per_second(lines: List[IterationLine], seq_length: int, gpus: int, warmup: int) -> Optional[float]:
@@ -120,9 +127,12 @@ def out_of_memory(log: str) -> Optional[OutOfMemory]:
 
 def outcome(log: str, exit_status: Optional[int]) -> str:
     """How the run ended: TRAINED (exit 0), OUT_OF_MEMORY, REFUSED (the launcher's or a rank's one
-    sentence, exit 2), TIMED_OUT (exit_status None: the runner stopped it) or FAILED."""
+    sentence, exit 2), TIMED_OUT (exit_status None: the runner stopped it; TRAINED_THEN_STOPPED when
+    that was after the last iteration) or FAILED."""
     if exit_status is None:
-        return TIMED_OUT
+        lines = iteration_lines(log)
+        finished = lines and lines[-1].iteration == lines[-1].total and TRAINING_DONE.search(log)
+        return TRAINED_THEN_STOPPED if finished else TIMED_OUT
     if exit_status == 0:
         return TRAINED
     if out_of_memory(log):

@@ -34,7 +34,7 @@ class Measured:
 
     @property
     def trained(self) -> bool:
-        return self.outcome == proxy_log.TRAINED
+        return self.outcome in proxy_log.TRAINED_OUTCOMES
 
     @property
     def case(self) -> str:

@@ -45,6 +45,9 @@ OOM_TEXT = (
     "E1202 10:00:30.000000 123 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 1)\n")
 
 
+TRAINING_DONE = "[after training is done] datetime: 2026-12-02 10:00:40.000000 \n"  # training.py's line
+
+
 def trained_log(ms=(900.0, 500.0, 400.0, 400.0, 400.0, 400.0, 400.0), peak=(9000.0, 11500.0)) -> str:
     lines = [iteration_line(1, ms[0]), memory_line(1, 8000.0, 8500.0)]
     for n, value in enumerate(ms[1:], 1):
@@ -94,6 +97,10 @@ def test_out_of_memory_is_read_from_pytorchs_message():
      proxy_log.REFUSED),
     ("Traceback (most recent call last):\nRuntimeError: NCCL error\n", 1, proxy_log.FAILED),
     (trained_log()[:300], None, proxy_log.TIMED_OUT),
+    # Stopped by the runner after the last iteration and Megatron's end-of-training line: complete.
+    (trained_log() + TRAINING_DONE, None, proxy_log.TRAINED_THEN_STOPPED),
+    (trained_log(), None, proxy_log.TIMED_OUT),  # all iterations, but not the end-of-training line
+    (trained_log()[:300] + "\n" + TRAINING_DONE, None, proxy_log.TIMED_OUT),  # the line, but iteration 1 of 30
 ])
 def test_outcome(log, status, expected):
     assert proxy_log.outcome(log, status) == expected
@@ -221,6 +228,15 @@ def test_a_run_through_the_launcher_is_measured(tmp_path, monkeypatch):
     assert shown[:2] == ["    iteration 1/30: 900.0 ms", "    after 1 iterations: max allocated 8000.00 MiB"]
     m = proxy_rows.measure(result, 15.0, 1024, warmup=10)
     assert (m.max_allocated_mib, m.max_reserved_mib) == (9000.0, 11500.0)
+    assert m.tokens_per_s == pytest.approx(24 * 1024 / 0.4)
+
+
+def test_a_run_stopped_after_its_last_iteration_is_measured(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text(trained_log() + TRAINING_DONE)
+    result = proxy_runs.RunResult(Run("memcap1_fp4_attn", True), proxy_log.TRAINED_THEN_STOPPED, 105.0, log, None)
+    m = proxy_rows.measure(result, 15.0, 1024, warmup=10)
+    assert m.trained and (m.max_allocated_mib, m.max_reserved_mib) == (9000.0, 11500.0)
     assert m.tokens_per_s == pytest.approx(24 * 1024 / 0.4)
 
 
