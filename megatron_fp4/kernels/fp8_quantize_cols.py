@@ -8,7 +8,7 @@ column holding NaN / Inf gets a NaN scale and NaN data. Segments start at multip
 columns and are zero past their last token (`_segments.py`); counts stay on the device.
 """
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import triton
@@ -17,7 +17,7 @@ import triton.language as tl
 from ..formats import FP8_BLOCK
 from ..tensors import COLWISE, FP8BlockTensor
 from ._bits import abs_max4, e4m3_word, fp8_block_scale
-from ._checks import TileConfig, check_float_matrix, check_rows_per_pass, float_kind, quad_ready
+from ._checks import TileConfig, check_float_matrix, check_rows_per_pass, float_kind, launch_config, quad_ready
 from ._format_constants import E4M3_NAN
 from ._segments import block_rows, check_segments, empty_colwise, experts_pow2
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
@@ -40,6 +40,7 @@ CONFIGS = (
     TileConfig(block_rows=FP8_BLOCK, block_cols=16, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]
+INTERPRETER_CONFIG = CONFIGS[3]  # one pass: a quarter of the default's passes under the interpreter
 
 
 @triton.jit
@@ -124,14 +125,15 @@ def quantize_fp8_cols(
     tokens_per_expert: torch.Tensor,
     capacity=None,
     check_counts: bool = True,
-    config: TileConfig = DEFAULT_CONFIG,
+    config: Optional[TileConfig] = None,
 ) -> FP8BlockTensor:
     """x [T, H] (bf16, fp16 or fp32; H a multiple of 128), rows = the experts' tokens back to back
     -> X^T [H, capacity] in FP8 with 1x128 blocks along tokens, colwise with segment offsets.
 
     tokens_per_expert: int32/int64 [E] on x's device (no host sync); capacity defaults to
-    colwise_capacity(T, E); check_counts as in mxfp4_to_fp8_cols."""
+    colwise_capacity(T, E); check_counts as in mxfp4_to_fp8_cols; config: see _checks.launch_config."""
     check_float_matrix("quantize_fp8_cols", x, FP8_BLOCK)
+    config = launch_config(config, x.device, DEFAULT_CONFIG, INTERPRETER_CONFIG)
     check_rows_per_pass("quantize_fp8_cols", config.block_rows, FP8_BLOCK)
     num_rows, hidden = x.shape
     capacity = check_segments("quantize_fp8_cols", tokens_per_expert, x.device, num_rows, capacity, check_counts)

@@ -21,7 +21,7 @@ from ..formats import FP8_BLOCK
 from ..tensors import FP8BlockWeight, FP8StackedWeights, padded_scale_columns
 from ._addresses import address_table
 from ._bits import abs_max4, e4m3_word, fp8_block_scale, load_float_quads
-from ._checks import TileConfig, check_float_matrix, check_rows_per_pass, float_kind, pair_view
+from ._checks import TileConfig, check_float_matrix, check_rows_per_pass, float_kind, launch_config, pair_view
 from ._format_constants import E4M3_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
 from ._transposed_tiles import load_slice, store_column_words
@@ -42,6 +42,7 @@ CONFIGS = (
     TileConfig(block_rows=FP8_BLOCK, block_cols=FP8_BLOCK, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]
+INTERPRETER_CONFIG = CONFIGS[1]  # one pass: half the default's passes under the interpreter
 
 
 @triton.jit
@@ -120,14 +121,14 @@ def _store_rows(out_words_ptr, a, b, c, d, inv_scale, is_nan, first_row, quad, R
         tl.store(out_words_ptr + row[:, None].to(tl.int64) * (COLS // 4) + quad[None, :], words)
 
 
-def quantize_fp8_weight(w: torch.Tensor, transpose: bool = False, config: TileConfig = DEFAULT_CONFIG) -> FP8BlockWeight:
+def quantize_fp8_weight(w: torch.Tensor, transpose: bool = False, config: Optional[TileConfig] = None) -> FP8BlockWeight:
     """w [R, C] (bf16, fp16 or fp32; R and C multiples of 128) -> FP8 128x128 blocks of w, or of
     w^T when transpose; bit-identical to reference.quantize_fp8_weight."""
     return quantize_fp8_weights([w], transpose, config)[0]
 
 
 def quantize_fp8_weights(weights: Sequence[torch.Tensor], transpose: bool = False,
-                         config: TileConfig = DEFAULT_CONFIG) -> List[FP8BlockWeight]:
+                         config: Optional[TileConfig] = None) -> List[FP8BlockWeight]:
     """quantize_fp8_weight of each of several weights of one shape, dtype and device, in one launch.
     The results are views of one buffer holding them all."""
     stacked = quantize_fp8_weights_stacked(weights, transpose, config)
@@ -135,13 +136,14 @@ def quantize_fp8_weights(weights: Sequence[torch.Tensor], transpose: bool = Fals
 
 
 def quantize_fp8_weights_stacked(weights: Sequence[torch.Tensor], transpose: bool = False,
-                                 config: TileConfig = DEFAULT_CONFIG) -> FP8StackedWeights:
+                                 config: Optional[TileConfig] = None) -> FP8StackedWeights:
     """quantize_fp8_weights as one [E, rows, cols] operand (the grouped GEMMs')."""
     name = "quantize_fp8_weights"
     if not weights:
         raise ValueError(f"{name}: no weights given")
     first = weights[0]
     check_float_matrix(name, first, FP8_BLOCK)
+    config = launch_config(config, first.device, DEFAULT_CONFIG, INTERPRETER_CONFIG)
     check_rows_per_pass(name, config.block_rows, FP8_BLOCK)
     rows, cols = first.shape
     if rows % FP8_BLOCK:
