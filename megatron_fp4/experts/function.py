@@ -29,7 +29,7 @@ from ..telemetry import Telemetry
 from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
 from .gemm import per_expert_products, per_expert_wgrad
 from .segments import ExpertSegments
-from .weight_cache import FP8WeightCache
+from .weight_cache import FP8WeightCache, fp8_weights
 from .swiglu import swiglu_with_probs, swiglu_with_probs_backward
 
 
@@ -185,9 +185,7 @@ def _release_saved_fp4(ctx) -> None:
 
 
 def _fp8_weights(call: ExpertsCall, name: str, weights, transpose: bool) -> FP8StackedWeights:
-    if call.weight_cache is None or transpose:  # W^T is quantized for its one GEMM in either mode
-        return K.quantize_fp8_weights_stacked(weights, transpose)
-    return call.weight_cache.get(name, weights)
+    return fp8_weights(call.weight_cache, name, weights, transpose)
 
 
 def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:

@@ -72,3 +72,13 @@ class FP8WeightCache:
 
     def held_bytes(self) -> int:
         return sum(q.data.numel() + q.block_scales.numel() * 4 for _, q in self._entries.values())
+
+
+def fp8_weights(cache: Optional[FP8WeightCache], name: str, weights: Sequence[torch.Tensor], transpose: bool,
+                quantize: Optional[Callable[[Sequence[torch.Tensor], bool], FP8StackedWeights]] = None
+                ) -> FP8StackedWeights:
+    """The FP8 copy a GEMM reads: W from the cache when there is one; W^T (and W without a cache)
+    quantized now, held only for its one GEMM. `quantize` as in FP8WeightCache.get."""
+    if cache is None or transpose:
+        return (quantize or K.quantize_fp8_weights_stacked)(weights, transpose)
+    return cache.get(name, weights, quantize)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import kernels as K
 from ..experts.gemm import per_expert_products, per_expert_wgrad
 from ..experts.segments import ExpertSegments
-from ..experts.weight_cache import FP8WeightCache
+from ..experts.weight_cache import FP8WeightCache, fp8_weights
 from ..formats import FP8_BLOCK
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..options import GradFormat
@@ -72,9 +72,7 @@ def quantize_weight_padded(weights, transpose: bool):
 
 
 def _fp8_weight(call: LinearCall, weight: torch.Tensor, transpose: bool):
-    if call.weight_cache is None or transpose:  # W^T is quantized for its one GEMM in either mode
-        return quantize_weight_padded([weight], transpose)
-    return call.weight_cache.get("weight", [weight], quantize_weight_padded)
+    return fp8_weights(call.weight_cache, "weight", [weight], transpose, quantize_weight_padded)
 
 
 def _padded_columns(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ layers quantize W^T in each backward (tests/integration/test_fp8_linears.py, tes
 import torch
 
 from megatron_fp4 import kernels as K
-from megatron_fp4.experts.weight_cache import FP8WeightCache, optimizer_steps
+from megatron_fp4.experts.weight_cache import FP8WeightCache, fp8_weights, optimizer_steps
 
 
 def _weights(device, n=2):
@@ -46,3 +46,21 @@ def test_an_optimizer_step_invalidates_even_writes_autograd_cannot_see(device):
     assert fresh is not stale and _same(fresh, K.quantize_fp8_weights_stacked(weights))
     cache.invalidate()
     assert cache.held_bytes() == 0
+
+
+def test_a_gemm_reads_w_from_the_cache_and_w_transposed_quantized_for_it(device):
+    cache, weights = FP8WeightCache(), _weights(device)
+    held = fp8_weights(cache, "fc1", weights, transpose=False)
+    assert fp8_weights(cache, "fc1", weights, transpose=False) is held
+    transposed = fp8_weights(cache, "fc1", weights, transpose=True)
+    assert _same(transposed, K.quantize_fp8_weights_stacked(weights, True))
+    assert transposed.data.shape[1:] == (256, 128) and list(cache._entries) == ["fc1"]  # W^T is not kept
+    assert fp8_weights(cache, "fc1", weights, transpose=False) is held
+    # Without a cache every copy is made for its GEMM, through the caller's quantizer when given.
+    made = []
+    def quantize(ws, transpose):
+        made.append(transpose)
+        return K.quantize_fp8_weights_stacked(ws, transpose)
+
+    assert _same(fp8_weights(None, "fc1", weights, False, quantize), held) and made == [False]
+
