@@ -6,7 +6,7 @@ scale and NaN data. Rounding to E4M3 is round to nearest even by one exactly-def
 (_bits.e4m3_code_bits), so the CPU interpreter and the GPU agree bit for bit.
 """
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import triton
@@ -15,7 +15,7 @@ import triton.language as tl
 from ..formats import FP8_BLOCK
 from ..tensors import ROWWISE, FP8BlockTensor
 from ._bits import abs_max4, e4m3_word, fp8_block_scale, load_float_quads
-from ._checks import TileConfig, check_float_matrix, float_kind, quad_ready
+from ._checks import TileConfig, check_float_matrix, float_kind, launch_config, quad_ready
 from ._format_constants import E4M3_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
 
@@ -28,6 +28,7 @@ CONFIGS = (
     TileConfig(block_rows=32, block_cols=4, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]
+INTERPRETER_CONFIG = CONFIGS[3]  # 32 rows a program: a quarter of the default's programs under the interpreter
 
 
 @triton.jit
@@ -60,9 +61,11 @@ def _quantize_fp8_rows_kernel(
     tl.store(scales_ptr + group[None, :].to(tl.int64) * num_rows + row2, scale, mask=group_mask)
 
 
-def quantize_fp8_rows(x: torch.Tensor, config: TileConfig = DEFAULT_CONFIG) -> FP8BlockTensor:
-    """x [R, C] (bf16, fp16 or fp32, C a multiple of 128) -> FP8 1x128 rowwise."""
+def quantize_fp8_rows(x: torch.Tensor, config: Optional[TileConfig] = None) -> FP8BlockTensor:
+    """x [R, C] (bf16, fp16 or fp32, C a multiple of 128) -> FP8 1x128 rowwise; config: see
+    _checks.launch_config."""
     check_float_matrix("quantize_fp8_rows", x, FP8_BLOCK)
+    config = launch_config(config, x.device, DEFAULT_CONFIG, INTERPRETER_CONFIG)
     num_rows, cols = x.shape
     groups = cols // FP8_BLOCK
     data = torch.empty(num_rows, cols, dtype=torch.float8_e4m3fn, device=x.device)

@@ -123,7 +123,7 @@ def test_quantize_fp8_weight_every_config(device, config, transpose):
 def test_launches_take_the_callers_config_else_the_gpus_or_the_interpreters():
     from megatron_fp4.kernels._checks import launch_config
 
-    for module in (fp8_quantize_cols, fp8_quantize_weight):
+    for module in (fp8_quantize, fp8_quantize_cols, fp8_quantize_weight):
         # Both defaults are candidates, so the parametrized tests above check them bit for bit here.
         assert {module.DEFAULT_CONFIG, module.INTERPRETER_CONFIG} <= set(module.CONFIGS)
         assert launch_config(None, torch.device("cuda", 0), module.DEFAULT_CONFIG,
