@@ -102,7 +102,7 @@ def _catalogue() -> Dict[str, Run]:
     # The FP8 linears by role: attention, or the dense MLP and shared expert, left to BF16.
     runs += [Run(f"{precision}_bf16_{role}", f"{precision}_bf16_{role}", first)
              for precision in ("fp8", "fp4") for role in ("attention", "mlps")]
-    # The FP8 linears' backward GEMMs in BF16, at both seeds.
+    # The FP8 linears' backward GEMMs in BF16, at the first two seeds.
     runs += [Run(f"{precision}_bf16_grads{suffix}", f"{precision}_bf16_grads", seed)
              for precision in ("fp8", "fp4") for suffix, seed in (("", first), ("_seed2", second))]
     return {run.name: run for run in runs}

@@ -63,4 +63,3 @@ def test_a_gemm_reads_w_from_the_cache_and_w_transposed_quantized_for_it(device)
         return K.quantize_fp8_weights_stacked(ws, transpose)
 
     assert _same(fp8_weights(None, "fc1", weights, False, quantize), held) and made == [False]
-
