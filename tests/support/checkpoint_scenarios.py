@@ -18,14 +18,9 @@ import torch
 import torch.distributed as dist
 
 VOCAB, SEQ, BATCH = 512, 32, 2
-# Optimizer steps before the save, and in all. One step after the load: its loss shows the loaded
-# weights, the parameters and Adam's state after its update show the loaded state at work (compared
-# bit for bit on resume; on a cross load the state itself is compared bit for bit through the
-# checkpoint). Each further step cost CI about 40 s of both cores.
-SAVE_AT, LAST = 2, 3
-# The loss difference plugin <-> stock at the first step after the load, from the measurement in
-# _cross_load_problems.
-FIRST_STEP_BOUND = 4e-4
+SAVE_AT, LAST = 2, 4  # optimizer steps before the save, and in all
+# Loss differences plugin <-> stock after the load, from the measurement in cross_load.
+FIRST_STEP_BOUND, LATER_STEP_BOUND = 4e-4, 2.7e-3
 
 def build_model(plugin: bool, seed: int):
     """The tiny GPTModel; `plugin`: the whole FP4 recipe. The one place that knows the plugin's API."""
@@ -181,13 +176,12 @@ def _save_and_continue(saver_plugin: bool, loader_plugins, directory: str):
 
 def _cross_load_problems(continued, resumed, lost) -> list:
     difference = (continued - resumed).abs()
-    # Measured with the whole recipe (the bound about twice that): plugin -> stock 1.96e-4, stock ->
-    # plugin 1.50e-4 (losses ~6.38, 6.33; a step moves them by ~0.05). The first step after the load
-    # has the same weights on both sides: only the recipe's rounding (FP4 dispatch, FP8 GEMMs,
-    # MXFP4-saved inputs) differs. (When the runs went on, the second step differed by 7.4e-4 and
-    # 1.32e-3, the updates differing too; FP4 dispatch + FP8 experts alone measured 1.46e-4 /
-    # 1.56e-4 at the first step.)
-    if not difference.max() <= FIRST_STEP_BOUND:
+    # Measured with the whole recipe (bounds about twice that): plugin -> stock 1.96e-4 then 7.4e-4,
+    # stock -> plugin 1.50e-4 then 1.32e-3 (losses ~6.38, 6.33; a step moves them by ~0.05). The
+    # first step after the load has the same weights on both sides: only the recipe's rounding (FP4
+    # dispatch, FP8 GEMMs, MXFP4-saved inputs) differs; after that the updates differ too. (FP4
+    # dispatch + FP8 experts alone measured 1.46e-4 / 1.56e-4 and 5.7e-5 / 2.86e-4.)
+    if not (difference[0] <= FIRST_STEP_BOUND and difference.max() <= LATER_STEP_BOUND):
         lost = lost + [f"losses after the load {resumed.tolist()} vs the saver's {continued.tolist()}"]
     return lost
 
