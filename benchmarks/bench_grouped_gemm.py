@@ -35,10 +35,19 @@ from benchmarks.rows import Recorder
 
 HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768
 
-ROWS_SWEEP = [DEFAULT_ROWS_TILES] + [GemmTiles(m, 128, w, stages, group, halves) for m, w, stages, group, halves in [
-    (128, 4, 2, 8, 2), (128, 4, 3, 4, 2), (128, 4, 3, 16, 2), (64, 4, 4, 8, 1)]]
-WGRAD_SWEEP = [DEFAULT_WGRAD_TILES] + [GemmTiles(m, 128, w, stages, group, halves) for m, w, stages, group, halves in [
-    (64, 4, 3, 8, 1), (64, 4, 5, 8, 1), (64, 4, 4, 4, 1), (128, 4, 2, 8, 2)]]
+def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
+    """The default first, then (block_m, warps, stages, group_m, row_halves, tma) candidates."""
+    return [default] + [GemmTiles(m, 128, w, stages, group, halves, tma) for m, w, stages, group, halves, tma in shapes
+                        if GemmTiles(m, 128, w, stages, group, halves, tma) != default]
+
+
+ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [
+    (128, 4, 3, 8, 2, False), (128, 4, 3, 8, 2, True), (128, 4, 2, 8, 2, True), (128, 4, 3, 16, 2, True),
+    (128, 8, 3, 8, 1, False), (128, 8, 3, 8, 1, True), (128, 8, 4, 8, 1, True), (256, 8, 3, 8, 2, True),
+    (64, 4, 4, 8, 1, True)])
+WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [
+    (64, 4, 4, 8, 1, False), (64, 4, 4, 8, 1, True), (64, 4, 3, 8, 1, True), (64, 4, 5, 8, 1, True),
+    (128, 8, 3, 8, 1, False), (128, 8, 3, 8, 1, True), (128, 8, 4, 8, 1, True), (128, 4, 3, 8, 2, True)])
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

@@ -38,6 +38,11 @@ CONFIGS = (
     TileConfig(block_rows=32, block_cols=32, num_warps=4),
     TileConfig(block_rows=16, block_cols=64, num_warps=4),
     TileConfig(block_rows=FP8_BLOCK, block_cols=16, num_warps=8),
+    TileConfig(block_rows=64, block_cols=8, num_warps=2),
+    TileConfig(block_rows=64, block_cols=16, num_warps=4),
+    TileConfig(block_rows=32, block_cols=8, num_warps=1),
+    TileConfig(block_rows=16, block_cols=32, num_warps=2),
+    TileConfig(block_rows=64, block_cols=32, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]
 INTERPRETER_CONFIG = CONFIGS[3]  # one pass: a quarter of the default's passes under the interpreter

@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats import FP8_BLOCK
 from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights, padded_scale_columns
@@ -43,6 +44,10 @@ class GemmTiles:
     # 1 or 2: with 2 the program's rows are two tiles of block_m / 2 that share each B tile, so
     # that a program loads fewer bytes per FLOP while one tensor-core product at a time is live.
     row_halves: int = 1
+    # Operand tiles loaded by the Tensor Memory Accelerator (host-built tensor descriptors) instead
+    # of per-thread pointer loads: the copies cost no registers or instructions of the program's
+    # threads, and rows past the end of A read as zeros.
+    tma: bool = False
 
 
 # The fastest of benchmarks/bench_grouped_gemm.py's sweep on H200 at DeepSeek-V3's expert shapes,
@@ -83,10 +88,21 @@ def _swizzled(pid, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _promoted(acc, a_tile, b, a_scale, b_scale, B_SCALE_PER_COLUMN: tl.constexpr):
-    """acc + the tensor-core product of the A tile at a_tile and the loaded B tile, scaled by the A
-    rows' scales times the B scale (one per tile, or one per column) in fp32: DeepSeek's promotion."""
-    return _scaled_add(acc, tl.dot(tl.load(a_tile), b), tl.load(a_scale), b_scale, B_SCALE_PER_COLUMN)
+def _promoted(acc, a, b, a_scale, b_scale, B_SCALE_PER_COLUMN: tl.constexpr):
+    """acc + the tensor-core product of the A and B tiles, scaled by the A rows' scales (loaded from
+    a_scale) times the B scale (one per tile, or one per column) in fp32: DeepSeek's promotion."""
+    return _scaled_add(acc, tl.dot(a, b), tl.load(a_scale), b_scale, B_SCALE_PER_COLUMN)
+
+
+@triton.jit
+def _tile(operand, row0, rows, k0, row_stride, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """[rows, BLOCK_K] of a row-major FP8 matrix from column k0: through its tensor descriptor from
+    row row0 (TMA), or through pointers at the rows `rows` (int64)."""
+    if TMA:
+        tile = operand.load([row0.to(tl.int32), k0.to(tl.int32)])  # TMA coordinates are 32-bit
+    else:
+        tile = tl.load(operand + rows[:, None] * row_stride + (k0 + tl.arange(0, BLOCK_K))[None, :])
+    return tile
 
 
 @triton.jit
@@ -100,9 +116,9 @@ def _scaled_add(acc, product, row_scales, b_scale, B_SCALE_PER_COLUMN: tl.conste
 
 @triton.jit
 def _grouped_gemm_rows_kernel(
-    a_ptr,  # fp8 [M, K] row-major
+    a,  # fp8 [M, K] row-major: a pointer, or with TMA a descriptor of [BLOCK_M / ROW_HALVES, 128] tiles
     a_scales_ptr,  # fp32 [K / 128, M]
-    b_ptr,  # fp8 [E, N, K]
+    b,  # fp8 [E * N, K] (the experts' [N, K] stacked): a pointer, or with TMA a descriptor of 128 x 128 tiles
     b_scales_ptr,  # fp32 [E, N / 128, B_SCALE_STRIDE]
     offsets_ptr,  # int64 [E + 1]: expert e owns rows [offsets[e], offsets[e + 1])
     c_ptr,  # [M, N] of the output dtype (BF16 as int16: store_rounded)
@@ -118,6 +134,7 @@ def _grouped_gemm_rows_kernel(
     BLOCK_K: tl.constexpr,  # 128: one scale step
     GROUP_M: tl.constexpr,
     ROW_HALVES: tl.constexpr,
+    TMA: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
     SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
@@ -127,33 +144,28 @@ def _grouped_gemm_rows_kernel(
     if expert < num_experts:
         rows = first_row + tl.arange(0, SUB_M)
         # Rows past the expert's end belong to the next expert (or are past M): their products are
-        # computed and never stored, so only the end of the tensor masks the loads.
+        # computed and never stored, so only the end of the tensor masks the loads (TMA reads zeros there).
         top = tl.minimum(rows, num_rows - 1).to(tl.int64)
         bottom = tl.minimum(rows + SUB_M, num_rows - 1).to(tl.int64)
-        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        expert64 = expert.to(tl.int64)
-        a_top = a_ptr + top[:, None] * K + ks[None, :]
-        a_bottom = a_ptr + bottom[:, None] * K + ks[None, :]
-        b_tile = b_ptr + expert64 * N * K + cols[None, :].to(tl.int64) * K + ks[:, None]
+        b_row = expert * N + tile_n * BLOCK_N
+        b_rows = b_row.to(tl.int64) + tl.arange(0, BLOCK_N)
         a_scale_top = a_scales_ptr + top
         a_scale_bottom = a_scales_ptr + bottom
         # BLOCK_N is one weight block: one B scale per K block.
-        b_scale = b_scales_ptr + (expert64 * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
+        b_scale = b_scales_ptr + (expert.to(tl.int64) * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
         acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
         acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(K // BLOCK_K):
-            b = tl.load(b_tile)
-            sb = tl.load(b_scale)
-            acc_top = _promoted(acc_top, a_top, b, a_scale_top, sb, False)
+        for k_block in range(K // BLOCK_K):
+            k0 = k_block * BLOCK_K
+            w = _tile(b, b_row, b_rows, k0, K, BLOCK_K, TMA).T
+            sb = tl.load(b_scale + k_block)
+            acc_top = _promoted(acc_top, _tile(a, first_row, top, k0, K, BLOCK_K, TMA), w, a_scale_top, sb, False)
             if ROW_HALVES == 2:
-                acc_bottom = _promoted(acc_bottom, a_bottom, b, a_scale_bottom, sb, False)
-            a_top += BLOCK_K
-            a_bottom += BLOCK_K
-            b_tile += BLOCK_K
+                acc_bottom = _promoted(acc_bottom, _tile(a, first_row + SUB_M, bottom, k0, K, BLOCK_K, TMA), w,
+                                       a_scale_bottom, sb, False)
             a_scale_top += num_rows
             a_scale_bottom += num_rows
-            b_scale += 1
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out = c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
         store_rounded(out, acc_top, (rows < end_row)[:, None], OUT_BF16)
         if ROW_HALVES == 2:
@@ -162,9 +174,9 @@ def _grouped_gemm_rows_kernel(
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr,  # fp8 [N, capacity]: dY^T, colwise
+    a,  # fp8 [N, capacity]: dY^T, colwise; a pointer, or with TMA a descriptor of [BLOCK_M / ROW_HALVES, 128] tiles
     a_scales_ptr,  # fp32 [capacity / 128, N]
-    b_ptr,  # fp8 [K, capacity]: X^T, colwise
+    b,  # fp8 [K, capacity]: X^T, colwise; a pointer, or with TMA a descriptor of [BLOCK_N, 128] tiles
     b_scales_ptr,  # fp32 [capacity / 128, K]
     offsets_ptr,  # int64 [E + 1]: expert e owns columns [offsets[e], offsets[e + 1]), multiples of 128
     c_ptr,  # [E, N, K] of the output dtype; with ACCUMULATE int64 [E]: where each expert's fp32 [N, K] is
@@ -176,6 +188,7 @@ def _grouped_wgrad_kernel(
     BLOCK_K: tl.constexpr,  # 128: one scale step (one block of tokens)
     GROUP_M: tl.constexpr,
     ROW_HALVES: tl.constexpr,
+    TMA: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # add into fp32 buffers (Megatron's main_grad) instead of writing c
     OUT_BF16: tl.constexpr,
 ):
@@ -186,26 +199,26 @@ def _grouped_wgrad_kernel(
     # Segments start at multiples of 128 columns: said to the compiler, for 16-byte async copies.
     first_col = tl.multiple_of(tl.load(offsets_ptr + expert), BLOCK_K)
     end_col = tl.load(offsets_ptr + expert + 1)
-    rows = tile_m * BLOCK_M + tl.arange(0, SUB_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tokens = first_col + tl.arange(0, BLOCK_K)
-    a_top = a_ptr + rows[:, None].to(tl.int64) * row_stride + tokens[None, :]
-    a_bottom = a_top + SUB_M * row_stride
-    b_tile = b_ptr + cols[None, :].to(tl.int64) * row_stride + tokens[:, None]
+    first_row = tile_m * BLOCK_M
+    rows = first_row + tl.arange(0, SUB_M)
+    first_b_row = tile_n * BLOCK_N
+    cols = first_b_row + tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
     a_scale_top = a_scales_ptr + (first_col // BLOCK_K) * N + rows
     a_scale_bottom = a_scale_top + SUB_M
     b_scale = b_scales_ptr + (first_col // BLOCK_K) * K + cols
     acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
     acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-    for _ in range((end_col - first_col) // BLOCK_K):
-        b = tl.load(b_tile)
+    for k_block in range((end_col - first_col) // BLOCK_K):
+        k0 = first_col + k_block * BLOCK_K
+        x = _tile(b, first_b_row, cols64, k0, row_stride, BLOCK_K, TMA).T
         sb = tl.load(b_scale)
-        acc_top = _promoted(acc_top, a_top, b, a_scale_top, sb, True)
+        acc_top = _promoted(acc_top, _tile(a, first_row, rows64, k0, row_stride, BLOCK_K, TMA), x, a_scale_top,
+                            sb, True)
         if ROW_HALVES == 2:
-            acc_bottom = _promoted(acc_bottom, a_bottom, b, a_scale_bottom, sb, True)
-        a_top += BLOCK_K
-        a_bottom += BLOCK_K
-        b_tile += BLOCK_K
+            acc_bottom = _promoted(acc_bottom, _tile(a, first_row + SUB_M, rows64 + SUB_M, k0, row_stride, BLOCK_K,
+                                                     TMA), x, a_scale_bottom, sb, True)
         a_scale_top += N
         a_scale_bottom += N
         b_scale += K
@@ -253,12 +266,14 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
     if num_rows == 0:
         return out
     num_tiles_m = triton.cdiv(num_rows, tiles.block_m) + num_experts
+    sub_m = tiles.block_m // tiles.row_halves
     _grouped_gemm_rows_kernel[(num_tiles_m * (n // tiles.block_n),)](
-        rows.data, rows.block_scales, weights.data, weights.block_scales, row_offsets, _stored(out),
-        num_rows, num_experts, num_tiles_m,
+        _operand(name, rows.data, (sub_m, FP8_BLOCK), tiles.tma), rows.block_scales,
+        _operand(name, weights.data.view(num_experts * n, k), (tiles.block_n, FP8_BLOCK), tiles.tma),
+        weights.block_scales, row_offsets, _stored(out), num_rows, num_experts, num_tiles_m,
         N=n, K=k, B_SCALE_STRIDE=weights.block_scales.shape[2], EXPERTS_POW2=triton.next_power_of_2(num_experts),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
-        ROW_HALVES=tiles.row_halves, OUT_BF16=out_dtype == torch.bfloat16,
+        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -294,13 +309,26 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         _check_accumulators(name, accumulate_into, num_experts, (n, k), grad_cols.data.device)
         out, target = None, address_table(name, accumulate_into)
     _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
-        grad_cols.data, grad_cols.block_scales, input_cols.data, input_cols.block_scales, offsets, target,
-        capacity, N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK,
-        GROUP_M=tiles.group_m, ROW_HALVES=tiles.row_halves, ACCUMULATE=accumulate_into is not None,
+        _operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
+        grad_cols.block_scales, _operand(name, input_cols.data, (tiles.block_n, FP8_BLOCK), tiles.tma),
+        input_cols.block_scales, offsets, target, capacity,
+        N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
+        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, ACCUMULATE=accumulate_into is not None,
         OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
+
+
+def _operand(name: str, data: torch.Tensor, block, tma: bool):
+    """An FP8 operand as its kernel reads it: the tensor (pointer loads), or with TMA a tensor
+    descriptor of `block` tiles, which needs a contiguous matrix at a 16-byte aligned address."""
+    if not tma:
+        return data
+    if not data.is_contiguous() or data.data_ptr() % 16:
+        raise ValueError(f"{name}: TMA tiles need contiguous FP8 operands at 16-byte aligned addresses "
+                         f"(got strides {data.stride()} at address {data.data_ptr():#x}); use tiles without tma")
+    return TensorDescriptor.from_tensor(data, list(block))
 
 
 def _stored(out: torch.Tensor) -> torch.Tensor:
@@ -325,25 +353,33 @@ def _check_offsets(name: str, offsets: torch.Tensor, num_experts: int, device) -
                          f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
 
 
-def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
-    """Both kernels at their default tiles for fc1's shape at the variant's hidden size (fprop:
-    N = 4096, K = hidden; wgrad: [4096, hidden]), as sm90_build compiles them."""
+def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES,
+               wgrad_tiles: GemmTiles = DEFAULT_WGRAD_TILES) -> List[KernelSpec]:
+    """Both kernels at their tiles (the defaults unless given) for fc1's shape at the variant's
+    hidden size (fprop: N = 4096, K = hidden; wgrad: [4096, hidden]), as sm90_build compiles them."""
     n, k = 2 * 2048, variant.hidden
-    rows_tiles, wgrad_tiles = DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES
     return [
         KernelSpec("grouped_gemm_by_weight", _grouped_gemm_rows_kernel,
-                   {"a_ptr": "*fp8e4nv", "a_scales_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scales_ptr": "*fp32",
-                    "offsets_ptr": "*i64", "c_ptr": "*i16", "num_rows": "i32", "num_experts": "i32",
-                    "num_tiles_m": "i32"},
+                   {"a": _fp8_operand_type(rows_tiles, rows_tiles.block_m // rows_tiles.row_halves),
+                    "a_scales_ptr": "*fp32", "b": _fp8_operand_type(rows_tiles, rows_tiles.block_n),
+                    "b_scales_ptr": "*fp32", "offsets_ptr": "*i64", "c_ptr": "*i16", "num_rows": "i32",
+                    "num_experts": "i32", "num_tiles_m": "i32"},
                    {"N": n, "K": k, "B_SCALE_STRIDE": padded_scale_columns(k), "EXPERTS_POW2": EXPERTS_POW2,
                     "BLOCK_M": rows_tiles.block_m, "BLOCK_N": rows_tiles.block_n, "BLOCK_K": FP8_BLOCK,
-                    "GROUP_M": rows_tiles.group_m, "ROW_HALVES": rows_tiles.row_halves, "OUT_BF16": True},
+                    "GROUP_M": rows_tiles.group_m, "ROW_HALVES": rows_tiles.row_halves, "TMA": rows_tiles.tma,
+                    "OUT_BF16": True},
                    rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n),
         KernelSpec("grouped_wgrad", _grouped_wgrad_kernel,
-                   {"a_ptr": "*fp8e4nv", "a_scales_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scales_ptr": "*fp32",
-                    "offsets_ptr": "*i64", "c_ptr": "*i64", "row_stride": "i32"},
+                   {"a": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_m // wgrad_tiles.row_halves),
+                    "a_scales_ptr": "*fp32", "b": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_n),
+                    "b_scales_ptr": "*fp32", "offsets_ptr": "*i64", "c_ptr": "*i64", "row_stride": "i32"},
                    {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
                     "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ROW_HALVES": wgrad_tiles.row_halves,
-                    "ACCUMULATE": True, "OUT_BF16": False},
+                    "TMA": wgrad_tiles.tma, "ACCUMULATE": True, "OUT_BF16": False},
                    wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n),
     ]
+
+
+def _fp8_operand_type(tiles: GemmTiles, tile_rows: int) -> str:
+    """The compile signature of an FP8 operand: a pointer, or a descriptor of [tile_rows, 128] tiles."""
+    return f"tensordesc<fp8e4nv[{tile_rows}, {FP8_BLOCK}]>" if tiles.tma else "*fp8e4nv"

@@ -21,6 +21,7 @@ from megatron_fp4.tensors import FP8BlockTensor
 
 COUNTS = [130, 0, 3, 1, 70, 0, 256]  # > a tile, empty, not a multiple of 4, one token, ..., two full tiles
 SMALL_TILES = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=2, row_halves=2)
+TMA_TILES = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=2, row_halves=2, tma=True)
 BF16_ROUNDING = 2.0**-8  # half a unit of the 8-bit significand
 # Measured on H200 against scaled_mm (the test prints the worst seen): FP8 tensor-core sums keep
 # about 14 bits inside a 128-block.
@@ -77,7 +78,7 @@ def _assert_within(result, exact, magnitude, eps, rounding):
     assert excess.max() <= 0, f"worst excess over the bound {excess.max():.3e}"
 
 
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default", "two-row-halves"])
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES], ids=["default", "two-row-halves", "tma"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_grouped_gemm_matches_the_float64_oracle(device, tiles, out_dtype):
     k, n = 384, 256  # non-square, three K blocks
@@ -124,7 +125,7 @@ def _oracle_wgrad(grad_cols, x_cols):
     return torch.stack([p for p, _ in pairs]), torch.stack([m for _, m in pairs])
 
 
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default", "two-row-halves"])
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES], ids=["default", "two-row-halves", "tma"])
 def test_grouped_wgrad_matches_the_float64_oracle(device, tiles):
     n, k = 256, 384
     grad_cols, x_cols = _cols_operands(COUNTS, n, k, device, seed=6)
