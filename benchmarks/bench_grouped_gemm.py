@@ -42,12 +42,11 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 
 
 ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [
-    (128, 4, 3, 8, 2, False), (128, 4, 3, 8, 2, True), (128, 4, 2, 8, 2, True), (128, 4, 3, 16, 2, True),
-    (128, 8, 3, 8, 1, False), (128, 8, 3, 8, 1, True), (128, 8, 4, 8, 1, True), (256, 8, 3, 8, 2, True),
-    (64, 4, 4, 8, 1, True)])
+    (128, 8, 4, 8, 1, True), (64, 4, 4, 8, 1, True), (64, 4, 3, 8, 1, True), (64, 4, 2, 8, 1, True),
+    (64, 4, 3, 8, 1, False)])
 WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [
-    (64, 4, 4, 8, 1, False), (64, 4, 4, 8, 1, True), (64, 4, 3, 8, 1, True), (64, 4, 5, 8, 1, True),
-    (128, 8, 3, 8, 1, False), (128, 8, 3, 8, 1, True), (128, 8, 4, 8, 1, True), (128, 4, 3, 8, 2, True)])
+    (64, 4, 4, 8, 1, False), (64, 4, 4, 8, 1, True), (64, 4, 2, 8, 1, True), (64, 4, 3, 4, 1, True),
+    (64, 4, 3, 16, 1, True)])
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

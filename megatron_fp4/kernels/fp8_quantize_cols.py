@@ -32,17 +32,13 @@ from ._transposed_tiles import load_slice, quad_columns, store_column_words
 # hitting L2. The sweep's candidates (benchmarks/bench_quantizers.py); the default (first) was the
 # fastest on H200 at 16384 x 7168, 32 ragged experts (commit 73eb394: 67.2% of the copy; 32x32 on
 # 4 warps 63.8%, 16x64 on 4 warps 22.5%, one pass (kept as the reference) 45.8%; earlier, 64x32 and
-# 32x64 on 8 warps 53.2% and 48.7%, dropped).
+# 32x64 on 8 warps 53.2% and 48.7%, dropped; at commit 60c06af the default again 67.2%, and 64x8 on 2
+# warps 63.3%, 64x16 on 4 64.2%, 32x8 on 1 61.0%, 16x32 on 2 23.0%, 64x32 on 8 52.9%, dropped).
 CONFIGS = (
     TileConfig(block_rows=32, block_cols=16, num_warps=2),
     TileConfig(block_rows=32, block_cols=32, num_warps=4),
     TileConfig(block_rows=16, block_cols=64, num_warps=4),
     TileConfig(block_rows=FP8_BLOCK, block_cols=16, num_warps=8),
-    TileConfig(block_rows=64, block_cols=8, num_warps=2),
-    TileConfig(block_rows=64, block_cols=16, num_warps=4),
-    TileConfig(block_rows=32, block_cols=8, num_warps=1),
-    TileConfig(block_rows=16, block_cols=32, num_warps=2),
-    TileConfig(block_rows=64, block_cols=32, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]
 INTERPRETER_CONFIG = CONFIGS[3]  # one pass: a quarter of the default's passes under the interpreter

@@ -50,14 +50,17 @@ class GemmTiles:
     tma: bool = False
 
 
-# The fastest of benchmarks/bench_grouped_gemm.py's sweep on H200 at DeepSeek-V3's expert shapes,
+# The fastest of benchmarks/bench_grouped_gemm.py's sweeps on H200 at DeepSeek-V3's expert shapes,
 # 32 and 8 experts (rows in benchmarks/results/grouped_gemm.jsonl). fprop / dgrad: one warpgroup
 # on 128 x 128 as two 64-row halves sharing each weight tile, three stages (96 KB of shared
-# memory: two programs per SM, one scaling its products while the other's tensor cores run):
-# 811-928 TFLOP/s, against 650-760 for single 64 x 128 tiles and ~510 with four stages (one
-# program per SM). wgrad (a scale per column of B): single 64 x 128 tiles; halves halve its rate.
+# memory: two programs per SM, one scaling its products while the other's tensor cores run), with
+# pointer loads: 774-893 TFLOP/s (commit 60c06af), against 786-845 for the best TMA candidates
+# (single 128 x 128 tiles on 8 warps, or 64 x 128) and 500-620 for TMA with two halves. wgrad (a
+# scale per column of B): single 64 x 128 tiles, TMA, three stages (72 KB: three programs per SM):
+# 661-784 TFLOP/s, against 497-636 with pointer loads and four stages (the previous default) and
+# 349-454 with five.
 DEFAULT_ROWS_TILES = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=3, row_halves=2)
-DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=4)
+DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True)
 
 
 @triton.jit
