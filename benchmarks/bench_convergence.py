@@ -31,7 +31,9 @@ At start the harness writes corpus.json (the corpus record the rows need) and ha
 GPU, versions, commit and start time, the iterations, the runs) into the out dir; --from-logs DIR
 then writes the summary and rows of DIR's logs without launching (status "re-read from DIR"), and
 --reference-from DIR2 takes BF16 references missing among the runs from another invocation's out dir
-(same corpus and validation set, else that comparison is refused).
+(same corpus and validation set, else that comparison is refused). --reference-rows RESULTS (with or
+without --from-logs) takes the references still missing from stored rows (convergence_rows.py): a
+call can then train candidate runs only, against BF16 runs of earlier calls.
 
 Seeds: --seed sets the model's initialization; the data order (the GPTDataset shuffle and the
 sample windows, validation included) follows MEGATRON_FP4_DATA_SEED when a run names a data seed
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from benchmarks.convergence_log import RunLog, largest_jump, parse_log, tokens_per_second
+from benchmarks.convergence_rows import stored_reference
 from benchmarks.rows import Recorder, run_info
 from megatron_fp4.console import quiet_third_party_notices
 
@@ -328,24 +331,48 @@ def run_all(runs: List[Run], iters: int, corpus: Path, out_dir: Path, budget_s: 
 @dataclass
 class Reference:
     """A run's BF16 reference: a run of the same invocation, or of another one (`source`, the run
-    directory of --reference-from)."""
+    directory of --reference-from, or `rows_of`, which stored rows of --reference-rows)."""
     run: Run
     log: RunLog
     source: Optional[Path] = None
+    rows_of: Optional[str] = None
+
+    @property
+    def other_invocation(self) -> bool:
+        return self.source is not None or self.rows_of is not None
 
     @property
     def label(self) -> str:
-        return f"BF16 {self.run.name}" + (" (another invocation)" if self.source else "")
+        return f"BF16 {self.run.name}" + (" (another invocation)" if self.other_invocation else "")
 
 
 def resolve_references(runs: List[Run], logs: Dict[str, RunLog], reference_dir: Optional[Path] = None,
-                       corpus_sha256: Optional[str] = None) -> Dict[str, Reference]:
+                       corpus_sha256: Optional[str] = None, reference_rows: Optional[Path] = None) -> Dict[str, Reference]:
     """Each run's reference among `runs` (references()); for a run without one, the plain BF16 run of
     its data order in `reference_dir` (another invocation), when its validation set has the same
-    SHA-256 (and its corpus, where that directory's corpus.json says, the same SHA-256)."""
+    SHA-256 (and its corpus, where that directory's corpus.json says, the same SHA-256); failing that,
+    the latest such run among the stored rows in the folder `reference_rows`."""
     chosen = {name: Reference(run, logs[run.name]) for name, run in references(runs).items()}
-    if reference_dir is None:
-        return chosen
+    if reference_dir is not None:
+        chosen.update(_references_from_logs(runs, logs, chosen, reference_dir, corpus_sha256))
+    if reference_rows is not None and corpus_sha256 is not None:
+        for run in runs:
+            if run.name in chosen:
+                continue
+            stored = stored_reference(reference_rows, run.order, logs[run.name].validation_sha256, corpus_sha256)
+            if stored is None:
+                print(f"{run.name}: no plain BF16 run of data order {run.order} on its validation set in the rows "
+                      f"of {reference_rows} either: no comparison rows")
+                continue
+            chosen[run.name] = Reference(Run(stored.name, REFERENCE_CONFIG, run.order), stored.log,
+                                         rows_of=stored.origin)
+    return chosen
+
+
+def _references_from_logs(runs: List[Run], logs: Dict[str, RunLog], chosen: Dict[str, Reference], reference_dir: Path,
+                          corpus_sha256: Optional[str]) -> Dict[str, Reference]:
+    """resolve_references' references from another invocation's out dir, for the runs not in `chosen`."""
+    found_refs = {}
     candidates = [run for run in invocation_runs(reference_dir)
                   if run.config == REFERENCE_CONFIG and not run.flags and run.data_seed is None]
     other_corpus = read_json(reference_dir / CORPUS_JSON)
@@ -366,8 +393,8 @@ def resolve_references(runs: List[Run], logs: Dict[str, RunLog], reference_dir: 
                   f"{(ref_log.validation_sha256 or 'not logged')[:16]}) is not this run's "
                   f"({(logs[run.name].validation_sha256 or 'not logged')[:16]}).")
         else:
-            chosen[run.name] = Reference(found, ref_log, reference_dir)
-    return chosen
+            found_refs[run.name] = Reference(found, ref_log, reference_dir)
+    return found_refs
 
 
 def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str], iters: int, corpus_info: dict,
@@ -401,6 +428,8 @@ def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str],
                      and log.validation_sha256 == ref_log.validation_sha256)
         if reference.source is not None:
             about["reference_dir"] = str(reference.source)
+        if reference.rows_of is not None:
+            about["reference_rows"] = reference.rows_of
         if log.final_validation_loss is not None and ref_log.final_validation_loss is not None:
             results.add(run.name, "final validation loss (whole split)", log.final_validation_loss, LOSS_UNIT,
                         label, ref_log.final_validation_loss, better="closer_to_1", **about)
@@ -410,7 +439,7 @@ def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str],
             results.add(run.name, "largest step-to-step loss rise", jump, LOSS_UNIT, label, ref_jump,
                         better="lower", at_iteration=at, **about)
         rate, ref_rate = (tokens_per_second(l.points, sizes["tokens_per_iteration"]) for l in (log, ref_log))
-        if rate and ref_rate and reference.source is None:  # another invocation shared the GPU otherwise
+        if rate and ref_rate and not reference.other_invocation:  # another invocation shared the GPU otherwise
             results.add(run.name, "tokens per second (GPU shared by all runs)", rate, "tokens/s",
                         label, ref_rate, better="higher", **about)
         ref_losses = {p.iteration: p.lm_loss for p in ref_log.points}
@@ -458,10 +487,11 @@ def invocation_runs(run_dir: Path) -> List[Run]:
 
 
 def report(runs: List[Run], out_dir: Path, status: Dict[str, str], iters: int, corpus_info: dict, info: dict,
-           reference_dir: Optional[Path] = None, concurrent_runs: Optional[int] = None) -> Dict[str, RunLog]:
+           reference_dir: Optional[Path] = None, concurrent_runs: Optional[int] = None,
+           reference_rows: Optional[Path] = None) -> Dict[str, RunLog]:
     """Parse every run's log, print the summary, write the rows."""
     logs = {run.name: read_log(out_dir / run.name) for run in runs}
-    refs = resolve_references(runs, logs, reference_dir, corpus_info["corpus_sha256"])
+    refs = resolve_references(runs, logs, reference_dir, corpus_info["corpus_sha256"], reference_rows)
     summary(runs, logs, status, refs)
     write_rows(runs, logs, status, iters, corpus_info, info, refs, concurrent_runs)
     return logs
@@ -494,6 +524,10 @@ def parse_args(argv):
     p.add_argument("--reference-from", type=Path, default=None, metavar="DIR",
                    help="with --from-logs: BF16 references missing among the runs come from this --out-dir of another "
                         "invocation on the same corpus and validation set")
+    p.add_argument("--reference-rows", type=Path, default=None, metavar="DIR",
+                   help="BF16 references still missing come from the stored rows in this folder (e.g. "
+                        "benchmarks/results): the latest plain BF16 run of the same data order, validation set and "
+                        "corpus; so a call can train candidate runs only")
     p.add_argument("--gpu", default=None,
                    help="with --from-logs, when DIR has no harness.json: the GPU the logs were trained on")
     args = p.parse_args(argv)
@@ -554,7 +588,7 @@ def from_logs(args) -> int:
     status = {run.name: f"re-read from {log_dir}" for run in runs}
     concurrent = len(recorded["runs"]) if recorded is not None else None
     report(runs, log_dir, status, iters, corpus_info, info, args.reference_from and args.reference_from.resolve(),
-           concurrent)
+           concurrent, args.reference_rows)
     return 0
 
 
@@ -602,7 +636,7 @@ def main(argv=None) -> int:
         {"info": info, "iters": iters, "budget_s": args.budget_s, "runs": [spec(run) for run in runs]}, indent=1) + "\n")
     with Signals() as signals:  # from here a SIGTERM or SIGINT still ends with the rows written
         status = run_all(runs, iters, corpus, out_dir, args.budget_s, args.poll_s, signals)
-        report(runs, out_dir, status, iters, corpus_info, info)
+        report(runs, out_dir, status, iters, corpus_info, info, reference_rows=args.reference_rows)
         if args.plot is not None:
             from benchmarks import plot_convergence
 

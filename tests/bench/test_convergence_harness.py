@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of the repository, not of the installed package
 
 from benchmarks import bench_convergence as harness  # noqa: E402
-from benchmarks import convergence_log, plot_convergence, rows  # noqa: E402
+from benchmarks import convergence_log, convergence_rows, plot_convergence, rows  # noqa: E402
 
 LOG = ROOT / "tests" / "data" / "convergence_train_log.txt"
 
@@ -270,3 +270,34 @@ def test_reference_from_another_invocation(tmp_path, monkeypatch, capsys, same_v
         assert finals == [] and [r["metric"] for r in results] == ["iterations completed"]
         assert re.search(rf"fp4_dispatch: no comparison with BF16 bf16 of {re.escape(str(headline))}: its validation "
                          rf"set \(sha256 f{{16}}\) is not this run's \({canned.validation_sha256[:16]}\)\.", out)
+
+
+def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, small_corpus, capsys):
+    """A call that trains only candidate runs gets its comparisons from the stored rows of a BF16
+    run of the same data order, validation set and corpus; a run with no such row gets none."""
+    code = f"print(open({str(LOG)!r}).read())"
+    assert _harness(tmp_path, monkeypatch, code, "--runs", "bf16", "--iters", "6") == 0
+    stored = tmp_path / "results"
+    (earlier, _), canned = _rows(stored), convergence_log.parse_log(LOG.read_text())
+    bf16_final = next(r for r in earlier if r["case"] == "bf16" and r["metric"] == "final validation loss (whole split)")
+    monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "later"))
+    assert harness.main(["--corpus", str(tmp_path / "corpus" / "text"), "--out-dir", str(tmp_path / "runs2"),
+                         "--poll-s", "0.5", "--runs", "", "--iters", "6", "--run", "bf16_lr bf16 1234 --lr 2e-3",
+                         "--run", "bf16_other_order bf16 1234 data_seed=77 --lr 2e-3",
+                         "--reference-rows", str(stored)]) == 0
+    out = capsys.readouterr().out
+    results, curves = _rows(tmp_path / "later")
+    finals = {r["case"]: r for r in results if r["metric"] == "final validation loss (whole split)"}
+    assert set(finals) == {"bf16_lr"}
+    final = finals["bf16_lr"]
+    assert final["reference"] == "BF16 bf16 (another invocation)" and final["reference_run"] == "bf16"
+    assert final["reference_rows"] == f"commit {bf16_final['commit']}, run {bf16_final['run']}"
+    assert final["reference_value"] == bf16_final["value"] and final["value"] == canned.final_validation_loss
+    assert final["same_validation_set"] and rows.row_problems(final) == []
+    # The reference's curve (its largest rise, the curve rows) is the BF16 run's logged losses, from its rows.
+    reference = convergence_rows.stored_reference(stored, 1234, canned.validation_sha256, small_corpus["sha256"])
+    assert [(p.iteration, p.lm_loss) for p in reference.log.points] == [(p.iteration, p.lm_loss) for p in canned.points]
+    assert convergence_rows.stored_reference(stored, 1234, "0" * 64, small_corpus["sha256"]) is None
+    assert "tokens per second (GPU shared by all runs)" not in {r["metric"] for r in results}
+    assert {r["case"] for r in curves} == {"bf16_lr"} and len(curves) == len(canned.points)
+    assert "bf16_other_order: no plain BF16 run of data order 77 on its validation set in the rows" in out

@@ -1,0 +1,47 @@
+"""BF16 references from stored rows, for runs trained without their BF16 run in the same invocation.
+
+A device call returns its rows reliably but not always its logs (the number of files that come back
+is limited), and a call that trains only candidate runs fits one more of them. The rows of a plain
+BF16 run (`role` "reference": its own reference) hold what a comparison needs: its final validation
+loss in convergence.jsonl and its logged training losses in convergence_curves.jsonl, with the
+validation set's and the corpus's SHA-256 to check that the comparison is like for like.
+"""
+
+import json
+from pathlib import Path
+from typing import List, NamedTuple, Optional
+
+from benchmarks.convergence_log import Point, RunLog
+
+FINAL_LOSS = "final validation loss (whole split)"
+
+
+class StoredReference(NamedTuple):
+    name: str  # the BF16 run's name in the rows
+    log: RunLog  # what its rows say of its log
+    origin: str  # which rows: "commit C, run R"
+
+
+def _rows(path: Path) -> List[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def stored_reference(results: Path, data_order: int, validation_sha256: Optional[str],
+                     corpus_sha256: str) -> Optional[StoredReference]:
+    """The latest plain BF16 run of data order `data_order` among the rows in the folder `results`
+    that was evaluated on the validation set `validation_sha256` of the corpus `corpus_sha256`, or
+    None."""
+    if validation_sha256 is None:
+        return None
+    finals = [row for row in _rows(results / "convergence.jsonl")
+              if row["metric"] == FINAL_LOSS and row.get("role") == "reference" and row.get("seed") == data_order
+              and row.get("validation_sha256") == validation_sha256 and row.get("corpus_sha256") == corpus_sha256]
+    if not finals:
+        return None
+    final = max(finals, key=lambda row: row["run"])
+    curve = sorted((row["iteration"], row["value"]) for row in _rows(results / "convergence_curves.jsonl")
+                   if row["case"] == final["case"] and row["run"] == final["run"] and row["metric"] == "lm loss")
+    log = RunLog(points=[Point(iteration, loss) for iteration, loss in curve], total_iterations=final.get("iters"),
+                 final_validation_loss=final["value"], validation_samples=final.get("validation_samples"),
+                 validation_sha256=validation_sha256)
+    return StoredReference(final["case"], log, f"commit {final['commit']}, run {final['run']}")
