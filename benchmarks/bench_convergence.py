@@ -347,22 +347,23 @@ class Reference:
 
 
 def resolve_references(runs: List[Run], logs: Dict[str, RunLog], reference_dir: Optional[Path] = None,
-                       corpus_sha256: Optional[str] = None, reference_rows: Optional[Path] = None) -> Dict[str, Reference]:
+                       corpus_sha256: Optional[str] = None, reference_rows: Optional[Path] = None,
+                       iters: Optional[int] = None) -> Dict[str, Reference]:
     """Each run's reference among `runs` (references()); for a run without one, the plain BF16 run of
     its data order in `reference_dir` (another invocation), when its validation set has the same
     SHA-256 (and its corpus, where that directory's corpus.json says, the same SHA-256); failing that,
-    the latest such run among the stored rows in the folder `reference_rows`."""
+    the latest such run of `iters` iterations among the stored rows in the folder `reference_rows`."""
     chosen = {name: Reference(run, logs[run.name]) for name, run in references(runs).items()}
     if reference_dir is not None:
         chosen.update(_references_from_logs(runs, logs, chosen, reference_dir, corpus_sha256))
-    if reference_rows is not None and corpus_sha256 is not None:
+    if reference_rows is not None and corpus_sha256 is not None and iters is not None:
         for run in runs:
             if run.name in chosen:
                 continue
-            stored = stored_reference(reference_rows, run.order, logs[run.name].validation_sha256, corpus_sha256)
+            stored = stored_reference(reference_rows, run.order, iters, logs[run.name].validation_sha256, corpus_sha256)
             if stored is None:
-                print(f"{run.name}: no plain BF16 run of data order {run.order} on its validation set in the rows "
-                      f"of {reference_rows} either: no comparison rows")
+                print(f"{run.name}: no plain BF16 run of data order {run.order} and {iters} iterations on its "
+                      f"validation set in the rows of {reference_rows} either: no comparison rows")
                 continue
             chosen[run.name] = Reference(Run(stored.name, REFERENCE_CONFIG, run.order), stored.log,
                                          rows_of=stored.origin)
@@ -491,7 +492,7 @@ def report(runs: List[Run], out_dir: Path, status: Dict[str, str], iters: int, c
            reference_rows: Optional[Path] = None) -> Dict[str, RunLog]:
     """Parse every run's log, print the summary, write the rows."""
     logs = {run.name: read_log(out_dir / run.name) for run in runs}
-    refs = resolve_references(runs, logs, reference_dir, corpus_info["corpus_sha256"], reference_rows)
+    refs = resolve_references(runs, logs, reference_dir, corpus_info["corpus_sha256"], reference_rows, iters)
     summary(runs, logs, status, refs)
     write_rows(runs, logs, status, iters, corpus_info, info, refs, concurrent_runs)
     return logs
@@ -526,8 +527,8 @@ def parse_args(argv):
                         "invocation on the same corpus and validation set")
     p.add_argument("--reference-rows", type=Path, default=None, metavar="DIR",
                    help="BF16 references still missing come from the stored rows in this folder (e.g. "
-                        "benchmarks/results): the latest plain BF16 run of the same data order, validation set and "
-                        "corpus; so a call can train candidate runs only")
+                        "benchmarks/results): the latest plain BF16 run of the same data order, iterations, "
+                        "validation set and corpus; so a call can train candidate runs only")
     p.add_argument("--gpu", default=None,
                    help="with --from-logs, when DIR has no harness.json: the GPU the logs were trained on")
     args = p.parse_args(argv)

@@ -30,6 +30,7 @@ class KernelSpec:
     constexprs: Dict[str, object]
     num_warps: int
     elements_per_program: int
+    num_stages: int = 3  # Triton's default for CUDA; the GEMMs pass their tiles' stages
 
     @classmethod
     def tiled(cls, name: str, fn, signature: Dict[str, str], constexprs: Dict[str, object], config,

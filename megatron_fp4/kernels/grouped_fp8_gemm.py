@@ -14,6 +14,9 @@ accumulator (the "promotion" DeepGEMM does; cuBLASLt's blockwise GEMM computes t
 - `grouped_wgrad`: dW_e [N, K] = dY_e^T X_e for every expert, both operands colwise (1x128 along
   the tokens, each segment starting at a multiple of 128 columns and zero-filled past its tokens,
   as the column kernels write them). An expert without tokens gets a zero gradient.
+
+Operand tiles are loaded through pointers, or with `GemmTiles.tma` by the Tensor Memory
+Accelerator from tensor descriptors built on the host; the sums are the same.
 """
 
 from dataclasses import dataclass
@@ -34,7 +37,8 @@ from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """Output tile, warps, pipeline stages and row tiles per L2 group of one grouped GEMM launch."""
+    """Output tile, warps, pipeline stages, row tiles per L2 group and how operand tiles are loaded,
+    of one grouped GEMM launch."""
 
     block_m: int
     block_n: int
@@ -51,14 +55,15 @@ class GemmTiles:
 
 
 # The fastest of benchmarks/bench_grouped_gemm.py's sweeps on H200 at DeepSeek-V3's expert shapes,
-# 32 and 8 experts (rows in benchmarks/results/grouped_gemm.jsonl). fprop / dgrad: one warpgroup
-# on 128 x 128 as two 64-row halves sharing each weight tile, three stages (96 KB of shared
-# memory: two programs per SM, one scaling its products while the other's tensor cores run), with
-# pointer loads: 774-893 TFLOP/s (commit 60c06af), against 786-845 for the best TMA candidates
-# (single 128 x 128 tiles on 8 warps, or 64 x 128) and 500-620 for TMA with two halves. wgrad (a
-# scale per column of B): single 64 x 128 tiles, TMA, three stages (72 KB: three programs per SM):
-# 661-784 TFLOP/s, against 497-636 with pointer loads and four stages (the previous default) and
-# 349-454 with five.
+# 32 and 8 experts (rows in benchmarks/results/grouped_gemm.jsonl; the printout has every config).
+# fprop / dgrad: one warpgroup on 128 x 128 as two 64-row halves sharing each weight tile, three
+# stages (96 KB of shared memory: two programs per SM, one scaling its products while the other's
+# tensor cores run), pointer loads: 811-928 TFLOP/s (commit a879700), against 650-760 for single
+# 64 x 128 tiles and ~510 with four stages (one program per SM); TMA loads did not beat it (60c06af,
+# 36fee30: 815-861 for 64 x 128 on three stages, 683-863 for 128 x 128 on 8 warps, 431-644 with two
+# halves). wgrad (a scale per column of B): single 64 x 128 tiles, TMA, three stages (72 KB: three
+# programs per SM): 654-820 TFLOP/s at 60c06af and 36fee30, against 497-636 with pointer loads and
+# four stages (the previous default), 552-596 with TMA and two stages, 349-454 with TMA and five.
 DEFAULT_ROWS_TILES = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=3, row_halves=2)
 DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True)
 
@@ -98,13 +103,16 @@ def _promoted(acc, a, b, a_scale, b_scale, B_SCALE_PER_COLUMN: tl.constexpr):
 
 
 @triton.jit
-def _tile(operand, row0, rows, k0, row_stride, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
-    """[rows, BLOCK_K] of a row-major FP8 matrix from column k0: through its tensor descriptor from
-    row row0 (TMA), or through pointers at the rows `rows` (int64)."""
+def _tile(operand, pointers, first_row, k0, TRANSPOSED: tl.constexpr, TMA: tl.constexpr):
+    """An operand tile of this K step: with TMA, the operand's descriptor tile at (first_row, k0)
+    (32-bit coordinates), transposed when TRANSPOSED; else the load at `pointers`, which the kernel
+    moves on by a K step each time (None with TMA)."""
     if TMA:
-        tile = operand.load([row0.to(tl.int32), k0.to(tl.int32)])  # TMA coordinates are 32-bit
+        tile = operand.load([first_row.to(tl.int32), k0.to(tl.int32)])
+        if TRANSPOSED:
+            tile = tile.T
     else:
-        tile = tl.load(operand + rows[:, None] * row_stride + (k0 + tl.arange(0, BLOCK_K))[None, :])
+        tile = tl.load(pointers)
     return tile
 
 
@@ -147,27 +155,42 @@ def _grouped_gemm_rows_kernel(
     if expert < num_experts:
         rows = first_row + tl.arange(0, SUB_M)
         # Rows past the expert's end belong to the next expert (or are past M): their products are
-        # computed and never stored, so only the end of the tensor masks the loads (TMA reads zeros there).
+        # computed and never stored, so only the end of the tensor bounds the loads (pointer loads
+        # clamp to the last row, TMA reads zeros past it).
         top = tl.minimum(rows, num_rows - 1).to(tl.int64)
         bottom = tl.minimum(rows + SUB_M, num_rows - 1).to(tl.int64)
-        b_row = expert * N + tile_n * BLOCK_N
-        b_rows = b_row.to(tl.int64) + tl.arange(0, BLOCK_N)
+        expert64 = expert.to(tl.int64)
+        # The tiles' pointers, moved on by BLOCK_K columns per K step (TMA needs none).
+        a_top = None
+        a_bottom = None
+        w_tile = None
+        if not TMA:
+            ks = tl.arange(0, BLOCK_K)
+            a_top = a + top[:, None] * K + ks[None, :]
+            a_bottom = a + bottom[:, None] * K + ks[None, :]
+            w_tile = b + expert64 * N * K + (tile_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :].to(tl.int64) * K \
+                + ks[:, None]
         a_scale_top = a_scales_ptr + top
         a_scale_bottom = a_scales_ptr + bottom
         # BLOCK_N is one weight block: one B scale per K block.
-        b_scale = b_scales_ptr + (expert.to(tl.int64) * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
+        b_scale = b_scales_ptr + (expert64 * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
         acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
         acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
         for k_block in range(K // BLOCK_K):
             k0 = k_block * BLOCK_K
-            w = _tile(b, b_row, b_rows, k0, K, BLOCK_K, TMA).T
-            sb = tl.load(b_scale + k_block)
-            acc_top = _promoted(acc_top, _tile(a, first_row, top, k0, K, BLOCK_K, TMA), w, a_scale_top, sb, False)
+            w = _tile(b, w_tile, expert * N + tile_n * BLOCK_N, k0, True, TMA)
+            sb = tl.load(b_scale)
+            acc_top = _promoted(acc_top, _tile(a, a_top, first_row, k0, False, TMA), w, a_scale_top, sb, False)
             if ROW_HALVES == 2:
-                acc_bottom = _promoted(acc_bottom, _tile(a, first_row + SUB_M, bottom, k0, K, BLOCK_K, TMA), w,
+                acc_bottom = _promoted(acc_bottom, _tile(a, a_bottom, first_row + SUB_M, k0, False, TMA), w,
                                        a_scale_bottom, sb, False)
+            if not TMA:
+                a_top += BLOCK_K
+                a_bottom += BLOCK_K
+                w_tile += BLOCK_K
             a_scale_top += num_rows
             a_scale_bottom += num_rows
+            b_scale += 1
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out = c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
         store_rounded(out, acc_top, (rows < end_row)[:, None], OUT_BF16)
@@ -199,15 +222,21 @@ def _grouped_wgrad_kernel(
     tiles_per_expert: tl.constexpr = (N // BLOCK_M) * (K // BLOCK_N)
     expert = tl.program_id(0) // tiles_per_expert
     tile_m, tile_n = _swizzled(tl.program_id(0) % tiles_per_expert, N // BLOCK_M, K // BLOCK_N, GROUP_M)
-    # Segments start at multiples of 128 columns: said to the compiler, for 16-byte async copies.
+    # Segments start at multiples of 128 columns: said to the compiler, for 16-byte async copies
+    # (pointer loads; TMA copies whole tiles anyway).
     first_col = tl.multiple_of(tl.load(offsets_ptr + expert), BLOCK_K)
     end_col = tl.load(offsets_ptr + expert + 1)
-    first_row = tile_m * BLOCK_M
-    rows = first_row + tl.arange(0, SUB_M)
-    first_b_row = tile_n * BLOCK_N
-    cols = first_b_row + tl.arange(0, BLOCK_N)
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
+    rows = tile_m * BLOCK_M + tl.arange(0, SUB_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The tiles' pointers, moved on by BLOCK_K tokens per step (TMA needs none).
+    a_top = None
+    a_bottom = None
+    x_tile = None
+    if not TMA:
+        tokens = first_col + tl.arange(0, BLOCK_K)
+        a_top = a + rows[:, None].to(tl.int64) * row_stride + tokens[None, :]
+        a_bottom = a_top + SUB_M * row_stride
+        x_tile = b + cols[None, :].to(tl.int64) * row_stride + tokens[:, None]
     a_scale_top = a_scales_ptr + (first_col // BLOCK_K) * N + rows
     a_scale_bottom = a_scale_top + SUB_M
     b_scale = b_scales_ptr + (first_col // BLOCK_K) * K + cols
@@ -215,13 +244,16 @@ def _grouped_wgrad_kernel(
     acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
     for k_block in range((end_col - first_col) // BLOCK_K):
         k0 = first_col + k_block * BLOCK_K
-        x = _tile(b, first_b_row, cols64, k0, row_stride, BLOCK_K, TMA).T
+        x = _tile(b, x_tile, tile_n * BLOCK_N, k0, True, TMA)
         sb = tl.load(b_scale)
-        acc_top = _promoted(acc_top, _tile(a, first_row, rows64, k0, row_stride, BLOCK_K, TMA), x, a_scale_top,
-                            sb, True)
+        acc_top = _promoted(acc_top, _tile(a, a_top, tile_m * BLOCK_M, k0, False, TMA), x, a_scale_top, sb, True)
         if ROW_HALVES == 2:
-            acc_bottom = _promoted(acc_bottom, _tile(a, first_row + SUB_M, rows64 + SUB_M, k0, row_stride, BLOCK_K,
-                                                     TMA), x, a_scale_bottom, sb, True)
+            acc_bottom = _promoted(acc_bottom, _tile(a, a_bottom, tile_m * BLOCK_M + SUB_M, k0, False, TMA), x,
+                                   a_scale_bottom, sb, True)
+        if not TMA:
+            a_top += BLOCK_K
+            a_bottom += BLOCK_K
+            x_tile += BLOCK_K
         a_scale_top += N
         a_scale_bottom += N
         b_scale += K
@@ -311,6 +343,8 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     else:
         _check_accumulators(name, accumulate_into, num_experts, (n, k), grad_cols.data.device)
         out, target = None, address_table(name, accumulate_into)
+    if capacity == 0:  # no token at all: zero gradients (nothing to add); a TMA descriptor needs a width
+        return None if out is None else out.zero_()
     _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
         _operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
         grad_cols.block_scales, _operand(name, input_cols.data, (tiles.block_n, FP8_BLOCK), tiles.tma),
@@ -325,12 +359,16 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
 
 def _operand(name: str, data: torch.Tensor, block, tma: bool):
     """An FP8 operand as its kernel reads it: the tensor (pointer loads), or with TMA a tensor
-    descriptor of `block` tiles, which needs a contiguous matrix at a 16-byte aligned address."""
+    descriptor of `block` tiles. Both read it as a contiguous matrix (its row stride is its width);
+    TMA also needs a 16-byte aligned address."""
+    if not data.is_contiguous():
+        raise ValueError(f"{name}: the FP8 operands must be contiguous, got shape {tuple(data.shape)} with strides "
+                         f"{data.stride()}")
     if not tma:
         return data
-    if not data.is_contiguous() or data.data_ptr() % 16:
-        raise ValueError(f"{name}: TMA tiles need contiguous FP8 operands at 16-byte aligned addresses "
-                         f"(got strides {data.stride()} at address {data.data_ptr():#x}); use tiles without tma")
+    if data.data_ptr() % 16:
+        raise ValueError(f"{name}: TMA tiles need FP8 operands at 16-byte aligned addresses, got one at "
+                         f"{data.data_ptr():#x}; pass tiles with tma=False")
     return TensorDescriptor.from_tensor(data, list(block))
 
 
@@ -371,7 +409,7 @@ def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES
                     "BLOCK_M": rows_tiles.block_m, "BLOCK_N": rows_tiles.block_n, "BLOCK_K": FP8_BLOCK,
                     "GROUP_M": rows_tiles.group_m, "ROW_HALVES": rows_tiles.row_halves, "TMA": rows_tiles.tma,
                     "OUT_BF16": True},
-                   rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n),
+                   rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n, rows_tiles.num_stages),
         KernelSpec("grouped_wgrad", _grouped_wgrad_kernel,
                    {"a": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_m // wgrad_tiles.row_halves),
                     "a_scales_ptr": "*fp32", "b": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_n),
@@ -379,7 +417,7 @@ def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES
                    {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
                     "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ROW_HALVES": wgrad_tiles.row_halves,
                     "TMA": wgrad_tiles.tma, "ACCUMULATE": True, "OUT_BF16": False},
-                   wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n),
+                   wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n, wgrad_tiles.num_stages),
     ]
 
 

@@ -66,7 +66,7 @@ def compile_sm90(spec: KernelSpec):
         if name in spec.signature and (spec.signature[name].startswith("*") or name.endswith("stride"))
     }
     source = ASTSource(fn=spec.fn, signature=signature, constexprs=spec.constexprs, attrs=attrs)
-    return triton.compile(source, target=SM90, options={"num_warps": spec.num_warps})
+    return triton.compile(source, target=SM90, options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
 
 
 # The variants CI compiles: the default config at two hidden sizes, both scale rules, all input kinds.

@@ -280,6 +280,9 @@ def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, small_co
     stored = tmp_path / "results"
     (earlier, _), canned = _rows(stored), convergence_log.parse_log(LOG.read_text())
     bf16_final = next(r for r in earlier if r["case"] == "bf16" and r["metric"] == "final validation loss (whole split)")
+    # Both runs print the same canned log: make the stored BF16 loss differ, so that the rows show which is which.
+    bf16_final["value"] = bf16_final["reference_value"] = bf16_final["value"] + 0.125
+    (stored / "convergence.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
     monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "later"))
     assert harness.main(["--corpus", str(tmp_path / "corpus" / "text"), "--out-dir", str(tmp_path / "runs2"),
                          "--poll-s", "0.5", "--runs", "", "--iters", "6", "--run", "bf16_lr bf16 1234 --lr 2e-3",
@@ -295,9 +298,11 @@ def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, small_co
     assert final["reference_value"] == bf16_final["value"] and final["value"] == canned.final_validation_loss
     assert final["same_validation_set"] and rows.row_problems(final) == []
     # The reference's curve (its largest rise, the curve rows) is the BF16 run's logged losses, from its rows.
-    reference = convergence_rows.stored_reference(stored, 1234, canned.validation_sha256, small_corpus["sha256"])
+    reference = convergence_rows.stored_reference(stored, 1234, 6, canned.validation_sha256, small_corpus["sha256"])
     assert [(p.iteration, p.lm_loss) for p in reference.log.points] == [(p.iteration, p.lm_loss) for p in canned.points]
-    assert convergence_rows.stored_reference(stored, 1234, "0" * 64, small_corpus["sha256"]) is None
+    for order, iters, validation in ((1234, 6, "0" * 64), (1234, 2000, canned.validation_sha256),
+                                     (5678, 6, canned.validation_sha256)):
+        assert convergence_rows.stored_reference(stored, order, iters, validation, small_corpus["sha256"]) is None
     assert "tokens per second (GPU shared by all runs)" not in {r["metric"] for r in results}
     assert {r["case"] for r in curves} == {"bf16_lr"} and len(curves) == len(canned.points)
-    assert "bf16_other_order: no plain BF16 run of data order 77 on its validation set in the rows" in out
+    assert "bf16_other_order: no plain BF16 run of data order 77 and 6 iterations on its validation set in the rows" in out

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.tensors import FP8BlockTensor
+from megatron_fp4.tensors import COLWISE, FP8BlockTensor
 
 COUNTS = [130, 0, 3, 1, 70, 0, 256]  # > a tile, empty, not a multiple of 4, one token, ..., two full tiles
 SMALL_TILES = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=2, row_halves=2)
@@ -154,6 +154,32 @@ def test_grouped_wgrad_accumulates_fp32_into_buffers(device):
         K.grouped_wgrad(grad_cols, x_cols, accumulate_into=[b.bfloat16() for b in buffers])
 
 
+@pytest.mark.parametrize("halves", [1, 2])
+def test_tma_and_pointer_loads_give_the_same_bits(device, halves):
+    """The two ways of loading operand tiles feed the same products: on the GPU a check of the TMA
+    descriptors and their zero fill past the last row (the interpreter emulates both)."""
+    pointer = GemmTiles(block_m=64 * halves, block_n=128, num_warps=4, num_stages=2, row_halves=halves)
+    tma = GemmTiles(block_m=64 * halves, block_n=128, num_warps=4, num_stages=2, row_halves=halves, tma=True)
+    rows, weights = _rows_operand(sum(COUNTS), 256, device, seed=14), _weights(len(COUNTS), 128, 256, device, seed=15)
+    offsets = _offsets(COUNTS, device)
+    assert torch.equal(K.grouped_gemm_by_weight(rows, weights, offsets, tiles=tma),
+                       K.grouped_gemm_by_weight(rows, weights, offsets, tiles=pointer))
+    grad_cols, x_cols = _cols_operands(COUNTS, 128, 256, device, seed=16)
+    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=tma),
+                       K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=pointer))
+
+
+def test_grouped_wgrad_without_tokens(device):
+    """Operands of no token columns at all (one expert without tokens): zero gradients."""
+    offsets = torch.zeros(2, dtype=torch.int64, device=device)
+    grad_cols, x_cols = (FP8BlockTensor(torch.empty(rows, 0, dtype=torch.float8_e4m3fn, device=device),
+                                        torch.empty(0, rows, device=device), COLWISE, offsets) for rows in (128, 256))
+    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols), torch.zeros(1, 128, 256, dtype=torch.bfloat16, device=device))
+    buffers = [torch.full((128, 256), 0.5, device=device)]
+    assert K.grouped_wgrad(grad_cols, x_cols, accumulate_into=buffers) is None
+    assert torch.equal(buffers[0], torch.full_like(buffers[0], 0.5))
+
+
 def test_refusals(device):
     rows = _rows_operand(8, 256, device, seed=8)
     weights = _weights(2, 128, 256, device, seed=9)
@@ -166,6 +192,11 @@ def test_refusals(device):
     grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=11)
     with pytest.raises(TypeError, match="colwise"):
         K.grouped_wgrad(rows, x_cols)
+    sliced = FP8BlockTensor(x_cols.data[:, :128], x_cols.block_scales[:1], x_cols.layout, x_cols.segment_offsets)
+    for tma in (False, True):  # both read a matrix whose row stride is its width
+        tiles = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2, tma=tma)
+        with pytest.raises(ValueError, match="must be contiguous"):
+            K.grouped_wgrad(sliced, sliced, tiles=tiles)
 
 
 @pytest.mark.gpu
