@@ -105,8 +105,8 @@ def _promoted(acc, a, b, a_scale, b_scale, B_SCALE_PER_COLUMN: tl.constexpr):
 @triton.jit
 def _tile(operand, pointers, first_row, k0, TRANSPOSED: tl.constexpr, TMA: tl.constexpr):
     """An operand tile of this K step: with TMA, the operand's descriptor tile at (first_row, k0)
-    (32-bit coordinates), transposed when TRANSPOSED; else the load at `pointers`, which the kernel
-    moves on by a K step each time (None with TMA)."""
+    (32-bit coordinates), transposed when TRANSPOSED; else the load at `pointers` (built in the
+    orientation wanted, moved on by a K step each time by the kernel; None with TMA)."""
     if TMA:
         tile = operand.load([first_row.to(tl.int32), k0.to(tl.int32)])
         if TRANSPOSED:
