@@ -37,8 +37,8 @@ HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768
 
 def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
     """The default first, then (block_m, warps, stages, group_m, row_halves, tma) candidates."""
-    return [default] + [GemmTiles(m, 128, w, stages, group, halves, tma) for m, w, stages, group, halves, tma in shapes
-                        if GemmTiles(m, 128, w, stages, group, halves, tma) != default]
+    candidates = [GemmTiles(m, 128, w, stages, group, halves, tma) for m, w, stages, group, halves, tma in shapes]
+    return [default] + [tiles for tiles in candidates if tiles != default]
 
 
 ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [
