@@ -24,6 +24,7 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
+from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from megatron_fp4 import kernels as K
@@ -36,17 +37,17 @@ from benchmarks.rows import Recorder
 HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768
 
 def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
-    """The default first, then (block_m, warps, stages, group_m, row_halves, tma) candidates."""
-    candidates = [GemmTiles(m, 128, w, stages, group, halves, tma) for m, w, stages, group, halves, tma in shapes]
+    """The default first, then (block_m, warps, stages, group_m, row_halves, tma, warp_specialize) candidates."""
+    candidates = [GemmTiles(m, 128, *rest) for m, *rest in shapes]
     return [default] + [tiles for tiles in candidates if tiles != default]
 
 
-ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [
-    (128, 8, 4, 8, 1, True), (64, 4, 4, 8, 1, True), (64, 4, 3, 8, 1, True), (64, 4, 2, 8, 1, True),
-    (64, 4, 3, 8, 1, False)])
+# The runners-up of earlier sweeps, and for wgrad warp-specialized candidates (producer warps for the
+# TMA loads).
+ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True, False), (64, 4, 3, 8, 1, False, False)])
 WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [
-    (64, 4, 4, 8, 1, False), (64, 4, 4, 8, 1, True), (64, 4, 2, 8, 1, True), (64, 4, 3, 4, 1, True),
-    (64, 4, 3, 16, 1, True)])
+    (64, 4, 3, 8, 1, True, True), (128, 8, 3, 8, 1, True, True), (128, 4, 3, 8, 2, True, True),
+    (64, 4, 4, 8, 1, False, False)])
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -75,15 +76,25 @@ def reference_tflops(name: str, flops: float, fn: Callable[[], object], iters: i
 
 
 def swept(name: str, experts: int, sweep: List[GemmTiles], flops: float, iters: int,
-          run: Callable[[GemmTiles], object]) -> Dict[GemmTiles, float]:
-    """TFLOP/s of `run` at each tile config (printed); configs the GPU cannot hold are said and skipped."""
-    rates = {}
+          run: Callable[[GemmTiles], torch.Tensor]) -> Dict[GemmTiles, float]:
+    """TFLOP/s of `run` at each tile config (printed). Every config computes the same sums in the same
+    order: a result whose bits differ from the first config's is said and not timed, and so is a
+    config the GPU cannot hold or this Triton cannot compile."""
+    rates, expected = {}, None
     for tiles in sweep:
         try:
-            rates[tiles] = tflops(flops, wall_ms(lambda: run(tiles), iters, 3))
-        except OutOfResources as error:
-            print(f"  {name} E={experts} {tiles}: skipped ({error})")
+            result = run(tiles)
+        except (OutOfResources, CompilationError, RuntimeError) as error:
+            if tiles == sweep[0]:
+                raise
+            print(f"  {name} E={experts} {tiles}: skipped ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
             continue
+        if expected is None:
+            expected = result
+        elif not torch.equal(result.view(torch.int16), expected.view(torch.int16)):
+            print(f"  {name} E={experts} {tiles}: skipped (its result differs from {sweep[0]}'s)")
+            continue
+        rates[tiles] = tflops(flops, wall_ms(lambda: run(tiles), iters, 3))
         print(f"  {name} E={experts} {tiles}: {rates[tiles]:.0f} TFLOP/s")
     return rates
 

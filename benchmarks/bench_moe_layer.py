@@ -34,7 +34,8 @@ and so the same routing. Printed on rank 0:
     than the layer's parameters and its input (device-independent);
   - (CUDA) held for backward: memory allocated after forward minus before (includes the 2-byte
     output and whatever the layer keeps outside autograd); a step's peak above the memory allocated
-    before it (so without the weights and gradients of the five resident layers).
+    before it (so without the weights of the resident layers, with the step's own weight gradients:
+    every step starts with the gradients set to None, as Megatron's DDP leaves them, common.layer_step).
 Rows name the stock layer as reference; the FP8 layers' times also the grouped_mm peer, FP4 + FP8
 also the FP8 baseline.
 """
@@ -57,8 +58,9 @@ def parse_args(argv):
     p = layer_options(__doc__)
     p.add_argument("--no-experts-table", action="store_true", help="skip the five-layer experts comparison")
     p.add_argument("--gemm-variants", action="store_true",
-                   help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT) and with "
-                   "their weights quantized per use (--moe-fp4-weights-per-use)")
+                   help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT), with "
+                   "their weights quantized per use (--moe-fp4-weights-per-use), and the FP8 baseline behind "
+                   "megatron_fp4's permute (the FP4 layers' atomic-free sums, BF16 dispatch)")
     return p.parse_args(argv)
 
 
@@ -173,6 +175,9 @@ FP4_FP8 = "FP4 dispatch + FP8 experts"
 FP8_BASELINE_PER_EXPERT = "FP8 baseline, per-expert scaled_mm"
 FP4_FP8_PER_EXPERT = "FP4 dispatch + FP8 experts, per-expert scaled_mm"
 FP4_FP8_WEIGHTS_PER_USE = "FP4 dispatch + FP8 experts, weights quantized per use"
+# The FP8 baseline with the FP4 layers' permute (dispatch/permute.py): what FP4 dispatch adds or saves
+# apart from the permute.
+FP8_BASELINE_LEAN_PERMUTE = "FP8 baseline behind megatron_fp4's permute"
 GROUPED_MM_AGREES = 2e-2  # relative error bound of the peer's output and input gradient against stock
 
 
@@ -202,7 +207,27 @@ def experts_layers(args, config, stock, fp4) -> dict:
             layer.load_state_dict(stock.state_dict())
             layer.experts.gemms = gemms
             layers[name] = layer
+        layers[FP8_BASELINE_LEAN_PERMUTE] = _with_lean_permute(build_moe_layer(config, FP4Options(experts="fp8")).cuda(),
+                                                               config)
+        layers[FP8_BASELINE_LEAN_PERMUTE].load_state_dict(stock.state_dict())
     return layers
+
+
+def _with_lean_permute(layer, config):
+    """The layer with Megatron's all-to-all dispatcher replaced by one with megatron_fp4's permute."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_fp4.dispatch.permute import LeanPermute
+
+    class LeanPermuteDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
+        pass
+
+    if layer.shared_experts is not None:
+        raise ValueError("the benchmark's layers have no shared expert; this dispatcher would need set_shared_experts")
+    layer.token_dispatcher = LeanPermuteDispatcher(layer.num_local_experts, layer.local_expert_indices, config=config,
+                                                   pg_collection=get_default_pg_collection())
+    return layer
 
 
 def check_against_stock(layers: dict, x, grad, log) -> dict:
@@ -273,6 +298,9 @@ def record_experts_rows(rows: dict, ceiling, ceiling_name: str, log, recorder) -
         recorder.add(name, "layer forward+backward", rows[name]["ms"], "ms", GROUPED_MM, peer["ms"])
     base, ours = rows[FP8_BASELINE], rows[FP4_FP8]
     recorder.add(FP4_FP8, "layer forward+backward", ours["ms"], "ms", FP8_BASELINE, base["ms"])
+    if FP8_BASELINE_LEAN_PERMUTE in rows:
+        recorder.add(FP4_FP8, "layer forward+backward", ours["ms"], "ms", FP8_BASELINE_LEAN_PERMUTE,
+                     rows[FP8_BASELINE_LEAN_PERMUTE]["ms"])
     recorder.add(FP4_FP8, "saved for backward", ours["saved"], "MiB", FP8_BASELINE, base["saved"])
     if "held" in ours and base["held"] > 0:
         recorder.add(FP4_FP8, "held for backward", ours["held"], "MiB", FP8_BASELINE, base["held"])

@@ -281,3 +281,13 @@ def dequantize_fp8(t: FP8BlockTensor, dtype: torch.dtype = torch.bfloat16) -> to
     """FP8 1x128 (either layout) -> [rows, cols] in dtype: data * its block's scale in fp32."""
     scale = _per_element(t.scaled_mm_scales(), FP8_BLOCK)
     return (t.data.float() * scale).to(dtype)
+
+
+def sum_rows_by_token(rows: torch.Tensor, indices: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[num_tokens, H]: out[t] = the rows p with indices[p] == t added in fp32 in ascending p, then
+    rounded once to rows' dtype (0 for a token without rows): the MoE unpermute and the permute's
+    gradient (kernels/row_sums.py)."""
+    acc = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+    for position, token in enumerate(indices.tolist()):
+        acc[token] += rows[position].float()
+    return acc.to(rows.dtype)

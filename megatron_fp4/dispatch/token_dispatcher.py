@@ -5,7 +5,8 @@ experts' stream, synchronize the splits at the parent's own sync point, tokens a
 shared-expert fc1, probs all-to-all. It returns what this rank received as a value
 (`ReceivedTokens`): the experts' BF16 input and the MXFP4 payload it is the exact dequantization
 of. `token_dispatch`, Megatron's own entry point (the patch route), hands Megatron's experts the
-BF16 part. Routing, probs, the combine and every host sync are the parent's.
+BF16 part. Without --moe-permute-fusion the permute's gradient and the unpermute add rows without
+atomics (permute.py). Routing, probs, the combine's all-to-all and every host sync are the parent's.
 """
 
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from ..options import FP4Options, ModelSettings, Route, validate
 from ..tensors import MXFP4Tensor
 from .all_to_all import fp4_dispatch_all_to_all
 from .cache import CachedDispatch
+from .permute import LeanPermute
 from .replay import replay_tokens
 
 
@@ -44,7 +46,7 @@ def _host_splits(splits) -> List[int]:
     return [int(n) for n in splits.tolist()]
 
 
-class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+class FP4AlltoAllTokenDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
     def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None,
                  options: Optional[FP4Options] = None, route: Route = Route.PLUGIN) -> None:
         self.options = options if options is not None else FP4Options(dispatch=True)
@@ -96,7 +98,7 @@ class FP4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def sort_like_experts(self, payload: MXFP4Tensor) -> MXFP4Tensor:
         """The payload rows in the experts' input order; call right after dispatch_postprocess,
         which sorted the tokens by local expert (behind its host sync) with the same indices."""
-        if self.num_local_experts == 1:
+        if self.num_local_experts == 1 or self.one_source_rank():
             return payload
         rows, _ = sort_chunks_by_idxs(payload.rows, self.num_global_tokens_per_local_expert.ravel(),
                                       self.sort_input_by_local_experts, fused=False)

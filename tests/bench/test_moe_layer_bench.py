@@ -85,7 +85,8 @@ def test_gpu_busy_time_is_the_union_of_the_device_intervals():
 
 
 CASES = (bench.STOCK, bench.GROUPED_MM, bench.FP8_BASELINE, bench.FP4_BF16, bench.FP4_FP8,
-         bench.FP8_BASELINE_PER_EXPERT, bench.FP4_FP8_PER_EXPERT, bench.FP4_FP8_WEIGHTS_PER_USE)
+         bench.FP8_BASELINE_PER_EXPERT, bench.FP4_FP8_PER_EXPERT, bench.FP4_FP8_WEIGHTS_PER_USE,
+         bench.FP8_BASELINE_LEAN_PERMUTE)
 EVERY_CASE = {"layer forward+backward", "host time (wall - GPU busy)", "saved for backward",
               "experts GEMM rate over the layer time"}
 
@@ -112,6 +113,7 @@ def test_the_layer_benchmark_runs_every_variant_at_ep1_and_writes_rows(tmp_path)
     for case in (bench.FP8_BASELINE, bench.FP4_FP8):
         assert ("layer forward+backward", bench.GROUPED_MM) in metrics[case]
     assert ("layer forward+backward", bench.FP8_BASELINE) in metrics[bench.FP4_FP8]
+    assert ("layer forward+backward", bench.FP8_BASELINE_LEAN_PERMUTE) in metrics[bench.FP4_FP8]
     # No CUDA allocator here: the allocator's rows are the GPU run's.
     assert not any(r["metric"] in ("held for backward", "step peak above allocated before") for r in written)
 

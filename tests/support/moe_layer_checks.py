@@ -3,8 +3,10 @@ group (tests/distributed: NCCL on two GPUs, or gloo with torch.cuda emulated on 
 sizes). The FP4-dispatch MoELayer equals, bit for bit, a stock alltoall MoELayer
 whose permuted tokens are rounded to MXFP4 by the reference right before its all-to-all
 (straight-through gradient; with the fp8 gradient format, the received tokens' gradient rounded to
-FP8 1x128 rows by the reference). Routing, experts, shared experts and combine are then the same
-computation, so any difference is a bug in packing, the wire, unpacking or the gradient path.
+FP8 1x128 rows by the reference), with the same permute as ours (megatron_fp4.dispatch.permute:
+Megatron's, its sums without atomics; tests/integration/test_lean_permute.py compares it with
+Megatron's). Routing, experts, shared experts and combine are then the same computation, so any
+difference is a bug in packing, the wire, unpacking or the gradient path.
 
 Layouts: EP = 2 (TP 1) and EP = 1 x TP = 2 (sequence parallel), on the first two GPUs; bf16 and
 fp8 gradients; shared expert with and without overlap.
@@ -69,7 +71,9 @@ class _RoundGradToFP8(torch.autograd.Function):
 def _reference_dispatcher_class(scale_rule, grad_format):
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    class ReferenceRoundedDispatcher(MoEAlltoAllTokenDispatcher):
+    from megatron_fp4.dispatch.permute import LeanPermute
+
+    class ReferenceRoundedDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
         def token_dispatch(self, tokens, probs):
             tokens, probs = super().token_dispatch(_RoundToMXFP4.apply(tokens, scale_rule), probs)
             return (_RoundGradToFP8.apply(tokens) if grad_format == "fp8" else tokens), probs
