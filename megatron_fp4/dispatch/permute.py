@@ -31,9 +31,10 @@ class TokenRows:
     @staticmethod
     def of(indices: torch.Tensor, num_tokens: int) -> "TokenRows":
         indices = indices.to(torch.int64)
-        counts = torch.bincount(indices, minlength=num_tokens)
-        offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
-        return TokenRows(indices, torch.argsort(indices, stable=True), offsets)
+        order = torch.argsort(indices, stable=True)
+        # Where each token's run starts among the sorted tokens; torch.bincount would wait for the GPU.
+        tokens = torch.arange(num_tokens + 1, device=indices.device)
+        return TokenRows(indices, order, torch.searchsorted(indices[order], tokens))
 
     def sums(self, rows: torch.Tensor) -> torch.Tensor:
         """[num_tokens, H]: each token's rows added (fp32, one rounding)."""

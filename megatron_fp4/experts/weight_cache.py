@@ -11,13 +11,15 @@ before asking for their weights: so the first forward after a step re-quantizes,
 values. Writes that bypass both (a plain `param.data.copy_()` outside an optimizer step) are not
 seen: call `invalidate()` after them.
 
-Only W (the forward's operand) is kept. The data gradient's W^T is quantized from the weights when
-backward asks and lives only for that GEMM. (Transposing the cached W's bytes would give the same
-bits, since each 128x128 block of W^T is a block of W transposed, but torch's transposing copy of
-one-byte elements ran at 7.8% of copy bandwidth on an H200, 7x the time of quantizing W^T from BF16:
-bench_quantizers, rows of commit 73eb394.) Memory: one FP8 byte per weight element (plus an fp32 scale per 128x128 block), held
-from the first forward of a step to the first forward of the next, and during backward one linear
-layer's W^T at a time (the experts': all local experts' fc2, then fc1).
+Only W (the forward's operand) is kept. The experts' data gradient takes W^T from it when backward
+asks: each 128x128 block of W^T is a block of W transposed with the same scale, so moving the FP8
+bytes (kernels/fp8_transpose_weight.py) gives the bits quantizing W^T would, reading one byte per
+element instead of two; it lives only for that GEMM. (torch's own transposing copy of one-byte
+elements ran at 7.8% of copy bandwidth on an H200: bench_quantizers, rows of commit 73eb394.) The
+FP8 linears quantize W^T from their weights (their cached W is padded). Memory: one FP8 byte per
+weight element (plus an fp32 scale per 128x128 block), held from the first forward of a step to the
+first forward of the next, and during backward one linear layer's W^T at a time (the experts': all
+local experts' fc2, then fc1).
 """
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -77,8 +79,13 @@ class FP8WeightCache:
 def fp8_weights(cache: Optional[FP8WeightCache], name: str, weights: Sequence[torch.Tensor], transpose: bool,
                 quantize: Optional[Callable[[Sequence[torch.Tensor], bool], FP8StackedWeights]] = None
                 ) -> FP8StackedWeights:
-    """The FP8 copy a GEMM reads: W from the cache when there is one; W^T (and W without a cache)
-    quantized now, held only for its one GEMM. `quantize` as in FP8WeightCache.get."""
-    if cache is None or transpose:
+    """The FP8 copy a GEMM reads: W from the cache when there is one; W^T from the cached W by
+    transposing its blocks (the default, stacked quantizer's weights), else quantized now, as is W
+    without a cache; W^T is held only for its one GEMM. `quantize` as in FP8WeightCache.get."""
+    if cache is None:
         return (quantize or K.quantize_fp8_weights_stacked)(weights, transpose)
-    return cache.get(name, weights, quantize)
+    if not transpose:
+        return cache.get(name, weights, quantize)
+    if quantize is None:
+        return K.transpose_fp8_weights(cache.get(name, weights))
+    return quantize(weights, True)

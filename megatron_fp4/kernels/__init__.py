@@ -5,6 +5,7 @@ from .fp8_dequantize import dequantize_fp8
 from .fp8_quantize import quantize_fp8_rows
 from .fp8_quantize_cols import quantize_fp8_cols
 from .fp8_quantize_weight import quantize_fp8_weight, quantize_fp8_weights, quantize_fp8_weights_stacked
+from .fp8_transpose_weight import transpose_fp8_weights
 from .grouped_fp8_gemm import GemmTiles, grouped_gemm_by_weight, grouped_wgrad
 from .mxfp4_dequantize import dequantize_mxfp4
 from .mxfp4_quantize import quantize_mxfp4
@@ -25,4 +26,5 @@ __all__ = [
     "quantize_fp8_weights",
     "quantize_fp8_weights_stacked",
     "quantize_mxfp4",
+    "transpose_fp8_weights",
 ]

@@ -264,12 +264,13 @@ def test_per_expert_gemms_match_the_grouped_ones(model_parallel, device):
 
 
 def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):
-    """Two forwards and backwards with the same weights quantize W of fc1 and fc2 once and their W^T
-    in each backward; with --moe-fp4-weights-per-use W and W^T at every use. Both give the same bits."""
+    """Two forwards and backwards with the same weights quantize W of fc1 and fc2 once and take W^T
+    from it in each backward by transposing its blocks; with --moe-fp4-weights-per-use W and W^T are
+    quantized at every use. Both give the same bits."""
     from megatron_fp4 import kernels as K
 
     payload, probs, grad = _inputs(device)
-    real = K.quantize_fp8_weights_stacked
+    real, real_transpose = K.quantize_fp8_weights_stacked, K.transpose_fp8_weights
 
     def two_steps(per_use: bool):
         """(transpose flag of each quantization, outputs and gradients of two forwards and backwards)."""
@@ -280,11 +281,12 @@ def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, 
         assert (experts.weight_cache is None) == per_use
         calls = []
         monkeypatch.setattr(K, "quantize_fp8_weights_stacked", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+        monkeypatch.setattr(K, "transpose_fp8_weights", lambda w: calls.append("T") or real_transpose(w))
         results = [_run(experts, ref.dequantize_mxfp4(payload), probs, grad, payload)[:3] for _ in range(2)]
         return calls, results + [[p.grad for p in experts.parameters()]]
 
     (cached_calls, cached), (per_use_calls, per_use) = two_steps(False), two_steps(True)
-    assert cached_calls == [False, False] + [True, True] * 2  # fc1, fc2 forward once; fc2, fc1 backward
+    assert cached_calls == [False, False] + ["T", "T"] * 2  # fc1, fc2 forward once; fc2, fc1 backward
     assert per_use_calls == [False, False, True, True] * 2  # fc1, fc2 forward; fc2, fc1 backward
     for ours, theirs in zip(cached, per_use):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

@@ -85,3 +85,19 @@ def test_quantize_fp8_weight_refuses_bad_shapes(device):
         mf.quantize_fp8_weight(torch.zeros(100, 256, device=device))
     with pytest.raises(ValueError, match="multiple of 128"):
         mf.quantize_fp8_weight(torch.zeros(128, 200, device=device))
+
+
+def test_transposed_stacked_weights_equal_quantizing_the_transpose(device):
+    """W^T by moving the cached W's bytes (the experts' data gradient operand) is bit for bit the
+    transposed quantization, hard cases (NaN and Inf blocks, a zero block, subnormals) included;
+    3 x 5 blocks, so both scale paddings differ."""
+    weights = [random_input(384, 640, torch.bfloat16, seed=70 + i, device=device) for i in range(2)]
+    weights.append(hard_input(384, 640, torch.bfloat16, seed=73, device=device))
+    weights[0][128:256, 256:384] = 0.0
+    plain = mf.kernels.quantize_fp8_weights_stacked(weights)
+    transposed = mf.kernels.transpose_fp8_weights(plain)
+    expected = mf.kernels.quantize_fp8_weights_stacked(weights, transpose=True)
+    assert_same_bits(transposed.data, expected.data)
+    assert_same_bits(transposed.block_scales, expected.block_scales)
+    with pytest.raises(TypeError, match="FP8StackedWeights"):
+        mf.kernels.transpose_fp8_weights(plain[0])

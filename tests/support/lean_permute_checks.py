@@ -82,7 +82,7 @@ def check(name: str, extra: dict, pg_collection, device) -> None:
     # The sums (the unpermute; the permute's gradient, each copy's gradient being the output gradient
     # gathered back times the stand-in's scale): the reference's, fp32 in position order rounded once;
     # Megatron's (BF16 atomics) within BF16 rounding of each of a token's additions.
-    flat_gy = gy.view(TOKENS, HIDDEN)
+    flat_gy = inputs[3].view(TOKENS, HIDDEN)
     for key, terms in (("out", lean["rows"]), ("x.grad", flat_gy[lean["indices"]] * lean["scale"])):
         terms = terms.cpu()
         ours, megatrons = lean[key].view(TOKENS, HIDDEN).cpu(), stock[key].view(TOKENS, HIDDEN).cpu()
