@@ -52,10 +52,6 @@ class GemmTiles:
     # of per-thread pointer loads: the copies cost no registers or instructions of the program's
     # threads, and rows past the end of A read as zeros.
     tma: bool = False
-    # Triton's warp specialization of the K loop (producer warps issue the TMA loads, the program's
-    # warps compute): wgrad only, a sweep candidate. Triton 3.7 fails to specialize the rows kernel's
-    # loop (it sits inside the branch that skips spare programs).
-    warp_specialize: bool = False
 
 
 # The fastest of benchmarks/bench_grouped_gemm.py's sweeps on H200 at DeepSeek-V3's expert shapes,
@@ -219,7 +215,6 @@ def _grouped_wgrad_kernel(
     GROUP_M: tl.constexpr,
     ROW_HALVES: tl.constexpr,
     TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # add into fp32 buffers (Megatron's main_grad) instead of writing c
     OUT_BF16: tl.constexpr,
 ):
@@ -247,7 +242,7 @@ def _grouped_wgrad_kernel(
     b_scale = b_scales_ptr + (first_col // BLOCK_K) * K + cols
     acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
     acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-    for k_block in tl.range((end_col - first_col) // BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k_block in range((end_col - first_col) // BLOCK_K):
         k0 = first_col + k_block * BLOCK_K
         x = _tile(b, x_tile, tile_n * BLOCK_N, k0, True, TMA)
         sb = tl.load(b_scale)
@@ -279,14 +274,7 @@ def _store_wgrad(c_ptr, expert, rows, cols, acc, N: tl.constexpr, K: tl.constexp
         store_rounded(c_ptr + expert.to(tl.int64) * N * K + within, acc, None, OUT_BF16)
 
 
-def _check_warp_specialize(name: str, tiles: GemmTiles) -> None:
-    if tiles.warp_specialize and not tiles.tma:
-        raise ValueError(f"{name}: warp specialization needs TMA loads (tma=True), got {tiles}")
-
-
 def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
-    if tiles.warp_specialize:
-        raise ValueError(f"{name}: warp specialization is for grouped_wgrad only, got {tiles}")
     if tiles.block_n != FP8_BLOCK or tiles.row_halves not in (1, 2):
         raise ValueError(f"{name}: block_n must be {FP8_BLOCK} (one weight block) and row_halves 1 or 2, got {tiles}")
     if n % FP8_BLOCK or k % FP8_BLOCK:
@@ -344,7 +332,6 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     # wait for the GPU.
     if input_capacity != capacity:
         raise ValueError(f"{name}: the operands' token columns differ ({capacity} and {input_capacity})")
-    _check_warp_specialize(name, tiles)
     if n % tiles.block_m or k % tiles.block_n:
         raise ValueError(f"{name}: N {n} must be a multiple of block_m {tiles.block_m} and K {k} of block_n "
                          f"{tiles.block_n}")
@@ -363,8 +350,7 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         grad_cols.block_scales, _operand(name, input_cols.data, (tiles.block_n, FP8_BLOCK), tiles.tma),
         input_cols.block_scales, offsets, target, capacity,
         N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
-        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, WARP_SPECIALIZE=tiles.warp_specialize,
-        ACCUMULATE=accumulate_into is not None,
+        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, ACCUMULATE=accumulate_into is not None,
         OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -430,8 +416,7 @@ def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES
                     "b_scales_ptr": "*fp32", "offsets_ptr": "*i64", "c_ptr": "*i64", "row_stride": "i32"},
                    {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
                     "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ROW_HALVES": wgrad_tiles.row_halves,
-                    "TMA": wgrad_tiles.tma, "WARP_SPECIALIZE": wgrad_tiles.warp_specialize, "ACCUMULATE": True,
-                    "OUT_BF16": False},
+                    "TMA": wgrad_tiles.tma, "ACCUMULATE": True, "OUT_BF16": False},
                    wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n, wgrad_tiles.num_stages),
     ]
 

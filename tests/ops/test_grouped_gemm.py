@@ -11,8 +11,6 @@ inside a block (eps_gpu below, measured and printed). Rounding to BF16 (to neare
 2 eps D + 2^-8 (|y1| + |y2|) of each other; against the float64 oracle, eps D + 2^-8 |y|.
 """
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,8 +157,7 @@ def test_grouped_wgrad_accumulates_fp32_into_buffers(device):
 @pytest.mark.parametrize("halves", [1, 2])
 def test_tma_and_pointer_loads_give_the_same_bits(device, halves):
     """The two ways of loading operand tiles feed the same products: on the GPU a check of the TMA
-    descriptors and their zero fill past the last row (the interpreter emulates both); wgrad also
-    with Triton's warp specialization (the interpreter runs its loop as it is)."""
+    descriptors and their zero fill past the last row (the interpreter emulates both)."""
     pointer = GemmTiles(block_m=64 * halves, block_n=128, num_warps=4, num_stages=2, row_halves=halves)
     tma = GemmTiles(block_m=64 * halves, block_n=128, num_warps=4, num_stages=2, row_halves=halves, tma=True)
     rows, weights = _rows_operand(sum(COUNTS), 256, device, seed=14), _weights(len(COUNTS), 128, 256, device, seed=15)
@@ -168,10 +165,8 @@ def test_tma_and_pointer_loads_give_the_same_bits(device, halves):
     assert torch.equal(K.grouped_gemm_by_weight(rows, weights, offsets, tiles=tma),
                        K.grouped_gemm_by_weight(rows, weights, offsets, tiles=pointer))
     grad_cols, x_cols = _cols_operands(COUNTS, 128, 256, device, seed=16)
-    expected = K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=pointer)
-    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=tma), expected)
-    specialized = dataclasses.replace(tma, warp_specialize=True)
-    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=specialized), expected)
+    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=tma),
+                       K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=pointer))
 
 
 def test_grouped_wgrad_without_tokens(device):
@@ -202,12 +197,7 @@ def test_refusals(device):
         tiles = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2, tma=tma)
         with pytest.raises(ValueError, match="must be contiguous"):
             K.grouped_wgrad(sliced, sliced, tiles=tiles)
-    pointer_specialized = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2, warp_specialize=True)
-    with pytest.raises(ValueError, match="warp specialization is for grouped_wgrad only"):
-        K.grouped_gemm_by_weight(rows, weights, _offsets([4, 4], device),
-                                 tiles=dataclasses.replace(pointer_specialized, tma=True))
-    with pytest.raises(ValueError, match="warp specialization needs TMA"):
-        K.grouped_wgrad(grad_cols, x_cols, tiles=pointer_specialized)
+
 
 
 @pytest.mark.gpu
