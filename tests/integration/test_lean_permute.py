@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_lean_permute_against_megatrons():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    # Kept: a PYTHONPATH that brings megatron-core (the GPU machines install it outside the venv).
+    path = [str(ROOT / "tests"), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     run = subprocess.run([sys.executable, "-m", "support.lean_permute_checks"], cwd=ROOT / "tests", env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
