@@ -17,25 +17,31 @@ from ._bits import store_rounded
 from ._checks import check_kernel_device, interpreter_enabled
 
 SUMMED_DTYPES = (torch.bfloat16, torch.float32)
-# 16-byte loads for 4 warps of BF16 (8 values a thread); under the interpreter the cost is per
-# program, so one program spans the whole width of the tests' rows.
-BLOCK_HIDDEN_GPU = 1024
-BLOCK_HIDDEN_INTERPRETED = 4096
+# On the GPU one token and 1024 columns a program (16-byte loads for 4 warps of BF16). Under the
+# interpreter the cost is per program and per operation, not per element: 256 tokens and up to 4096
+# columns a program, stepping through their rows together (masked where a token has fewer).
+BLOCK_TOKENS_GPU, BLOCK_HIDDEN_GPU = 1, 1024
+BLOCK_TOKENS_INTERPRETED, BLOCK_HIDDEN_INTERPRETED = 256, 4096
 
 
 @triton.jit
-def _sum_rows_by_token_kernel(rows_ptr, order_ptr, offsets_ptr, out_ptr, hidden, BLOCK_H: tl.constexpr,
-                              OUT_BF16: tl.constexpr):
-    token = tl.program_id(0)
+def _sum_rows_by_token_kernel(rows_ptr, order_ptr, offsets_ptr, out_ptr, num_tokens, hidden,
+                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_row = cols < hidden
-    start = tl.load(offsets_ptr + token)
-    end = tl.load(offsets_ptr + token + 1)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for i in range(start, end):
-        row = tl.load(order_ptr + i)
-        acc += tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-    store_rounded(out_ptr + token.to(tl.int64) * hidden + cols, acc, in_row, OUT_BF16)
+    is_token, in_row = tokens < num_tokens, cols < hidden
+    start = tl.load(offsets_ptr + tokens, mask=is_token, other=0)
+    count = tl.load(offsets_ptr + tokens + 1, mask=is_token, other=0) - start
+    # A token without a j-th row adds +0.0, which leaves every sum's bits as they are (an fp32 sum
+    # started at +0.0 is never -0.0).
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in range(tl.max(count, axis=0)):
+        has_row = j < count
+        row = tl.load(order_ptr + start + j, mask=has_row, other=0)
+        acc += tl.load(rows_ptr + row[:, None] * hidden + cols[None, :], mask=has_row[:, None] & in_row[None, :],
+                       other=0.0).to(tl.float32)
+    out = out_ptr + tokens[:, None].to(tl.int64) * hidden + cols[None, :]
+    store_rounded(out, acc, is_token[:, None] & in_row[None, :], OUT_BF16)
 
 
 def sum_rows_by_token(rows: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -58,12 +64,13 @@ def sum_rows_by_token(rows: torch.Tensor, order: torch.Tensor, offsets: torch.Te
     out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
     if num_tokens == 0 or hidden == 0:
         return out
-    block = BLOCK_HIDDEN_INTERPRETED if interpreter_enabled() else BLOCK_HIDDEN_GPU
-    block = min(block, triton.next_power_of_2(hidden))
+    interpreted = interpreter_enabled()
+    block_t = BLOCK_TOKENS_INTERPRETED if interpreted else BLOCK_TOKENS_GPU
+    block_h = min(BLOCK_HIDDEN_INTERPRETED if interpreted else BLOCK_HIDDEN_GPU, triton.next_power_of_2(hidden))
     out_bf16 = rows.dtype == torch.bfloat16
-    _sum_rows_by_token_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        rows, order, offsets, out.view(torch.int16) if out_bf16 else out, hidden, BLOCK_H=block, OUT_BF16=out_bf16,
-        num_warps=4,
+    _sum_rows_by_token_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))](
+        rows, order, offsets, out.view(torch.int16) if out_bf16 else out, num_tokens, hidden, BLOCK_T=block_t,
+        BLOCK_H=block_h, OUT_BF16=out_bf16, num_warps=4,
     )
     return out
 
@@ -75,8 +82,9 @@ def sm90_specs(variant) -> list:
 
     return [KernelSpec("sum_rows_by_token", _sum_rows_by_token_kernel,
                        {"rows_ptr": "*bf16", "order_ptr": "*i64", "offsets_ptr": "*i64", "out_ptr": "*i16",
-                        "hidden": "i32"},
-                       {"BLOCK_H": BLOCK_HIDDEN_GPU, "OUT_BF16": True}, 4, BLOCK_HIDDEN_GPU)]
+                        "num_tokens": "i32", "hidden": "i32"},
+                       {"BLOCK_T": BLOCK_TOKENS_GPU, "BLOCK_H": BLOCK_HIDDEN_GPU, "OUT_BF16": True}, 4,
+                       BLOCK_TOKENS_GPU * BLOCK_HIDDEN_GPU)]
 
 
 __all__ = ["sum_rows_by_token"]
