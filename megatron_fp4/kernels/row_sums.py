@@ -2,8 +2,8 @@
 output is the sum of its experts' rows) and the gradient of its permute (each token's gradient is
 the sum of its copies' gradients).
 
-One program per token and slice of the hidden dimension reads that token's rows in ascending
-position order (a CSR table: `order` lists the positions grouped by token, `offsets` where each
+A program takes a block of tokens (one on the GPU) and a slice of the hidden dimension and reads
+each token's rows in ascending position order (a CSR table: `order` lists the positions grouped by token, `offsets` where each
 token's run starts), adds them in fp32 and rounds once. The sums are deterministic and at least as
 accurate as Megatron's unfused path, which adds the rows into a BF16 output with atomics in an order
 the GPU picks (scatter_add_ forward, index_add_ for the permute's gradient).
