@@ -109,17 +109,19 @@ class Telemetry:
     # What the layers record (nothing read from the device).
 
     def dispatched(self, tokens: torch.Tensor, received: torch.Tensor, replayed: bool, scale_rule: str,
-                   grad_format: GradFormat) -> torch.Tensor:
+                   grad_format: GradFormat, values: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One dispatch of `tokens` [rows, hidden] (the rows handed to the all-to-all); `received`
         is what it delivered to the experts, returned with its gradient counted when it has one.
-        replayed: the recompute cache served it (nothing sent forward)."""
+        replayed: the recompute cache served it (nothing sent forward). values: where tokens holds
+        no values (the permute was done on MXFP4 rows), the tokens it permuted, each once: the
+        quantization error is sampled from them."""
         rows, hidden = tokens.shape
         self._counts.forward_bf16 += rows * hidden * BF16_BYTES
         if replayed:
             self._counts.cache_hits += 1
         else:
             self._counts.forward += rows * mxfp4_wire_bytes_per_row(hidden)
-            self._sample_error(tokens, scale_rule)
+            self._sample_error(tokens if values is None else values, scale_rule)
         if received.requires_grad:
             return _CountGradient.apply(received, self, grad_format)
         return received

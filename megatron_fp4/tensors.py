@@ -67,6 +67,15 @@ class MXFP4Tensor:
     def device(self) -> torch.device:
         return self.rows.device
 
+    def select_tokens(self, indices: torch.Tensor) -> "MXFP4Tensor":
+        """The rows of the tokens `indices`, in that order (a permute done on the wire rows)."""
+        rows = self.rows.contiguous()
+        # Whole rows move as 8- or 4-byte words where the row width allows (a byte-wise gather is slower).
+        word = next(dtype for dtype in (torch.int64, torch.int32, torch.uint8)
+                    if rows.shape[1] % dtype.itemsize == 0 and rows.storage_offset() % dtype.itemsize == 0)
+        selected = rows.view(word).index_select(0, indices).view(torch.uint8)
+        return MXFP4Tensor(selected, self.hidden, self.scale_rule)
+
     @property
     def data(self) -> torch.Tensor:
         """uint8 [T, H/2] packed E2M1 codes (a strided view into rows)."""

@@ -43,13 +43,13 @@ def received_tokens(received: MXFP4Tensor, dtype: torch.dtype, dequantize: bool)
 
 class _FP4DispatchAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, output_splits, input_splits, group, scale_rule, grad_format, dequantize):
+    def forward(ctx, tokens, output_splits, input_splits, group, scale_rule, grad_format, dequantize, sent_rows):
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
         ctx.grad_format = grad_format
         ctx.input_dtype = tokens.dtype
         hidden = tokens.shape[1]
-        sent = quantize_mxfp4(tokens, scale_rule)
+        sent = quantize_mxfp4(tokens, scale_rule) if sent_rows is None else MXFP4Tensor(sent_rows, hidden, scale_rule)
         received = MXFP4Tensor(all_to_all_rows(sent.rows, output_splits, input_splits, group), hidden, scale_rule)
         ctx.mark_non_differentiable(received.rows)
         return received_tokens(received, tokens.dtype, dequantize), received.rows
@@ -57,7 +57,7 @@ class _FP4DispatchAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, _grad_rows):
         grad = send_gradient_back(grad_output, ctx.splits, ctx.group, ctx.grad_format)
-        return grad.to(ctx.input_dtype), None, None, None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None, None
 
 
 def send_gradient_back(grad_output: torch.Tensor, splits, group, grad_format: GradFormat) -> torch.Tensor:
@@ -80,13 +80,16 @@ def fp4_dispatch_all_to_all(
     scale_rule: str = "ceil",
     grad_format: GradFormat = GradFormat.BF16,
     dequantize: bool = True,
+    quantized: Optional[MXFP4Tensor] = None,
 ) -> Tuple[torch.Tensor, MXFP4Tensor]:
     """Send tokens [T, H] (rows grouped by destination rank, input_splits rows each) in MXFP4.
 
     Returns (received tokens in BF16, the received MXFP4 payload). The BF16 tensor carries the
     gradient path; the payload is what FP4-aware experts and the activation cache keep. With
     dequantize=False the BF16 tensor's values are left undefined (see received_tokens): only for
-    experts that compute from the payload.
+    experts that compute from the payload. With `quantized` (the tokens' MXFP4 rows, quantized
+    before the permute) those rows are sent and tokens' values are not read: tokens then only
+    carries the gradient path (see permute.permuted_stand_in).
     Wire bytes per token: H/2 + H/32 forward; H * 2 (bf16) or H + H/32 (fp8) backward."""
     check_scale_rule(scale_rule)
     if grad_format not in [g.value for g in GradFormat]:
@@ -100,10 +103,13 @@ def fp4_dispatch_all_to_all(
         raise ValueError(f"input_splits sum to {sum(input_splits)}, tokens has {tokens.shape[0]} rows")
     if grad_format == GradFormat.FP8 and tokens.shape[1] % FP8_BLOCK:
         raise ValueError(f"the fp8 gradient format needs hidden divisible by 128, got {tokens.shape[1]}")
+    if quantized is not None and (quantized.shape != tuple(tokens.shape) or quantized.scale_rule != scale_rule):
+        raise ValueError(f"quantized rows {quantized.shape} ({quantized.scale_rule}) do not match tokens "
+                         f"{tuple(tokens.shape)} ({scale_rule})")
     group = group if group is not None else dist.group.WORLD
     received, rows = _FP4DispatchAllToAll.apply(
         tokens, [int(n) for n in output_splits], [int(n) for n in input_splits], group, scale_rule, grad_format,
-        dequantize,
+        dequantize, None if quantized is None else quantized.rows,
     )
     return received, MXFP4Tensor(rows, tokens.shape[1], scale_rule)
 

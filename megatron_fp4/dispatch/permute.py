@@ -75,6 +75,14 @@ def permuted_tokens(tokens: torch.Tensor, gathered: torch.Tensor, rows: TokenRow
     return _PermutedTokens.apply(tokens, gathered.detach(), rows)
 
 
+def permuted_stand_in(tokens: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+    """[R, H]: the permute of tokens [T, H] when it was done on their MXFP4 rows instead: no values
+    (one element, expanded: nothing reads it), only the gradient path, whose backward sums each
+    token's rows as permuted_tokens does."""
+    stand_in = tokens.new_empty(()).expand(rows.indices.shape[0], tokens.shape[1])
+    return _PermutedTokens.apply(tokens, stand_in, rows)
+
+
 def unpermuted_tokens(permuted: torch.Tensor, rows: TokenRows) -> torch.Tensor:
     """[T, H]: the rows of each token added, the inverse of the permute (the combine's last step)."""
     return _UnpermutedTokens.apply(permuted, rows)
@@ -129,4 +137,4 @@ class LeanPermute:
         return output
 
 
-__all__ = ["LeanPermute", "TokenRows", "permuted_tokens", "unpermuted_tokens"]
+__all__ = ["LeanPermute", "TokenRows", "permuted_stand_in", "permuted_tokens", "unpermuted_tokens"]

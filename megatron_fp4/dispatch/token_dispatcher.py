@@ -6,7 +6,9 @@ shared-expert fc1, probs all-to-all. It returns what this rank received as a val
 (`ReceivedTokens`): the experts' BF16 input and the MXFP4 payload it is the exact dequantization
 of. `token_dispatch`, Megatron's own entry point (the patch route), hands Megatron's experts the
 BF16 part. Without --moe-permute-fusion the permute's gradient and the unpermute add rows without
-atomics (permute.py). Routing, probs, the combine's all-to-all and every host sync are the parent's.
+atomics (permute.py), and the plugin layer permutes MXFP4 rows instead of BF16 tokens
+(`permute_quantized`: each token quantized once, not once per chosen expert; the same bytes, as
+quantization is per row). Routing, probs, the combine's all-to-all and every host sync are the parent's.
 """
 
 from dataclasses import dataclass
@@ -14,14 +16,17 @@ from typing import List, Optional, Tuple
 
 import torch
 from megatron.core.tensor_parallel import all_to_all
-from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+from megatron.core.transformer.moe.moe_utils import (
+    get_align_size_for_quantization, pad_routing_map, permute, sort_chunks_by_idxs,
+)
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from ..kernels import quantize_mxfp4
 from ..options import FP4Options, ModelSettings, Route, validate
 from ..tensors import MXFP4Tensor
 from .all_to_all import fp4_dispatch_all_to_all
 from .cache import CachedDispatch
-from .permute import LeanPermute
+from .permute import LeanPermute, permuted_stand_in
 from .replay import replay_tokens
 
 
@@ -39,6 +44,18 @@ class ReceivedTokens:
     def cached(self) -> CachedDispatch:
         """What a recompute needs to replay this dispatch."""
         return CachedDispatch(self.payload, self.output_splits, self.input_splits)
+
+
+@dataclass(frozen=True)
+class QuantizedPermute:
+    """The permute done on MXFP4 rows (FP4AlltoAllTokenDispatcher.permute_quantized).
+    tokens: [rows, hidden], in the permuted order, only a gradient path (permute.permuted_stand_in);
+    wire: the permuted tokens' MXFP4 rows (None when not asked for: a replayed dispatch sends none);
+    source: [num_tokens, hidden], the layer's tokens, whose quantized rows wire holds."""
+
+    tokens: torch.Tensor
+    wire: Optional[MXFP4Tensor]
+    source: torch.Tensor
 
 
 def _host_splits(splits) -> List[int]:
@@ -61,14 +78,48 @@ class FP4AlltoAllTokenDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
             return [share] * self.ep_size, [share] * self.ep_size
         return _host_splits(self.output_splits), _host_splits(self.input_splits)
 
+    def quantizes_before_permute(self) -> bool:
+        """Whether permute_quantized may replace dispatch_preprocess: not with --moe-permute-fusion
+        (Transformer Engine's fused permute of BF16 tokens) nor --moe-latent-size (MoELayer projects
+        the tokens between the router and the permute)."""
+        return self._atomic_free_sums() and not self.config.moe_latent_size
+
+    def permute_quantized(self, hidden_states, routing_map, probs, quantize: bool):
+        """dispatch_preprocess with the permute done on MXFP4 rows: the tokens are quantized once
+        (T rows, not top-k x T) and their wire rows gathered, 17/64 of the BF16 gather's bytes.
+        quantize=False (a replayed dispatch) skips the quantization. Returns (QuantizedPermute,
+        the permuted probs). Call only where quantizes_before_permute()."""
+        # The parent's metadata steps and its host sync point, in its order (megatron-core 0.18-0.19;
+        # tests/integration/test_lean_permute.py compares the state with the parent's).
+        self.hidden_shape = hidden_states.shape
+        self.probs = probs
+        self.routing_map = routing_map
+        tokens = hidden_states.view(-1, hidden_states.shape[-1])
+        if self.config.moe_router_padding_for_quantization:
+            self.routing_map = pad_routing_map(self.routing_map, get_align_size_for_quantization(self.config))
+        self.tokens_per_expert = self.preprocess(self.routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states)
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
+        self.hidden_shape_before_permute = tokens.shape
+        # Megatron's permute for the indices and the probs; the tokens it gathers have no columns.
+        _, permuted_probs, self.reversed_local_input_permutation_mapping, _, _ = permute(
+            tokens[:, :0], self.routing_map, probs=probs, num_out_tokens=self.num_out_tokens, fused=False,
+            drop_and_pad=self.drop_and_pad,
+        )
+        rows = self._token_rows()
+        wire = quantize_mxfp4(tokens, self.options.scale_rule).select_tokens(rows.indices) if quantize else None
+        return QuantizedPermute(permuted_stand_in(tokens, rows), wire, tokens), permuted_probs
+
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
         """Megatron's entry point: the received tokens in BF16 for Megatron's experts."""
         received, global_probs = self.dispatch_fp4(permutated_local_input_tokens, permuted_probs, dequantize=True)
         return received.tokens, global_probs
 
     def dispatch_fp4(self, permutated_local_input_tokens, permuted_probs, dequantize: bool,
-                     replay: Optional[CachedDispatch] = None):
-        """(ReceivedTokens, the received probs). With `replay` (a recompute whose first pass was
+                     replay: Optional[CachedDispatch] = None, wire: Optional[MXFP4Tensor] = None):
+        """(ReceivedTokens, the received probs). With `wire` (QuantizedPermute.wire) those rows are
+        sent and the tokens only carry the gradient path. With `replay` (a recompute whose first pass was
         cached), the tokens come from it and only the gradient path crosses the all-to-all; the
         probs are sent again (4 bytes per row): Megatron's router sorts its top-k only with grad on,
         so the first pass and the recompute can differ by one BF16 unit in the probs, and the
@@ -81,7 +132,7 @@ class FP4AlltoAllTokenDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
         if replay is None:
             tokens, payload = fp4_dispatch_all_to_all(
                 permutated_local_input_tokens, output_splits, input_splits, group=self.ep_group,
-                scale_rule=options.scale_rule, grad_format=options.dispatch_grad, dequantize=dequantize,
+                scale_rule=options.scale_rule, grad_format=options.dispatch_grad, dequantize=dequantize, quantized=wire,
             )
         else:
             replay.check(output_splits, input_splits, permutated_local_input_tokens.shape[1])
@@ -105,4 +156,4 @@ class FP4AlltoAllTokenDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
         return MXFP4Tensor(rows, payload.hidden, payload.scale_rule)
 
 
-__all__ = ["FP4AlltoAllTokenDispatcher", "ReceivedTokens"]
+__all__ = ["FP4AlltoAllTokenDispatcher", "QuantizedPermute", "ReceivedTokens"]

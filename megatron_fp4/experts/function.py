@@ -3,7 +3,8 @@
 Every GEMM is one grouped FP8 launch over all local experts' ragged token segments
 (kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (ExpertGemms). Forward:
 fc1 = X W1^T (X from the MXFP4 payload by the exact FP4 -> FP8 row conversion, or quantized from
-BF16 for the FP8 baseline), SwiGLU times the probs, fc2 = H W2^T from 1x128 rows of H. Weights are
+BF16 for the FP8 baseline), SwiGLU times the probs, fc2 = H W2^T from 1x128 rows of H (the SwiGLU
+kernel writes them, and the copies of its input and output that backward reads). Weights are
 in 128x128 blocks, quantized once per optimizer step (weight_cache.py; backward quantizes W^T for
 its data gradient). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
 SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the
@@ -30,7 +31,8 @@ from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
 from .gemm import per_expert_products, per_expert_wgrad
 from .segments import ExpertSegments
 from .weight_cache import FP8WeightCache, fp8_weights
-from .swiglu import swiglu_with_probs, swiglu_with_probs_backward
+from .swiglu import swiglu_with_probs_backward
+from .swiglu_forward import SwiGLUOutputs, swiglu_quantized
 
 
 class ExpertGemms(Enum):
@@ -93,14 +95,16 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_rows = K.quantize_fp8_rows(tokens)
         fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
         del input_rows
-        fc2_in = swiglu_with_probs(fc1_out, probs, call.glu_offset, dtype)  # row-wise: all experts at once
-        output = _linear_forward(call, K.quantize_fp8_rows(fc2_in), _fp8_weights(call, "fc2", fc2_weights, False),
-                                 dtype)
+        ctx.from_payload = payload_rows is not None
+        ctx.fp4_activations = ctx.from_payload and call.fp4_activations
+        # Row-wise, all experts at once; with the copies backward will read (see _saved_activations).
+        fc2_in = swiglu_quantized(fc1_out, probs, call.glu_offset, dtype,
+                                  keep_values=call.backward_follows and not ctx.fp4_activations,
+                                  mxfp4_rule=call.scale_rule if call.backward_follows and ctx.fp4_activations else None)
+        output = _linear_forward(call, fc2_in.fp8_rows, _fp8_weights(call, "fc2", fc2_weights, False), dtype)
 
         if not call.backward_follows:
             return output
-        ctx.from_payload = payload_rows is not None
-        ctx.fp4_activations = ctx.from_payload and call.fp4_activations
         saved = _saved_activations(ctx, call, tokens, payload_rows, fc1_out, fc2_in)
         ctx.save_for_backward(*saved, probs, *weights)
         ctx.num_activations = len(saved)
@@ -140,7 +144,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         saved_input, saved_acts = (activations[:1], activations[1:]) if ctx.from_payload else (
             activations[:3], activations[3:])
         if ctx.fp4_activations:
-            fc1_out = K.dequantize_mxfp4(mxfp4(saved_acts[0], 2 * ffn))
+            fc1_out = mxfp4(saved_acts[0], 2 * ffn)  # the SwiGLU backward reads MXFP4 rows itself
             fc2_in_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_acts[1], ffn), counts, check_counts=False)
         else:
             fc1_out, fc2_in_cols = saved_acts[0], FP8BlockTensor.from_colwise_parts(saved_acts[1:])
@@ -160,10 +164,10 @@ class FP8ExpertsFunction(torch.autograd.Function):
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
 
 
-def _saved_activations(ctx, call: ExpertsCall, tokens, payload_rows, fc1_out, fc2_in) -> tuple:
+def _saved_activations(ctx, call: ExpertsCall, tokens, payload_rows, fc1_out, fc2_in: SwiGLUOutputs) -> tuple:
     """What backward reads, as save_for_backward takes it: the fc1 input (the payload, exact; else
-    FP8 columns), then the SwiGLU and fc2 inputs (MXFP4 rows; else BF16 and FP8 columns, as
-    Transformer Engine's FP8 layers keep them). Nothing for a rank without tokens."""
+    FP8 columns), then the SwiGLU and fc2 inputs (MXFP4 rows, written by the SwiGLU; else BF16 and
+    FP8 columns, as Transformer Engine's FP8 layers keep them). Nothing for a rank without tokens."""
     if not call.segments.num_tokens:
         return ()
     counts = call.segments.counts_device
@@ -173,9 +177,8 @@ def _saved_activations(ctx, call: ExpertsCall, tokens, payload_rows, fc1_out, fc
 
     fc1_input = (payload_rows,) if ctx.from_payload else columns(tokens)
     if ctx.fp4_activations:
-        return (*fc1_input, K.quantize_mxfp4(fc1_out, call.scale_rule).rows,
-                K.quantize_mxfp4(fc2_in, call.scale_rule).rows)
-    return (*fc1_input, fc1_out, *columns(fc2_in))
+        return (*fc1_input, fc2_in.fc1_out_mxfp4.rows, fc2_in.fc2_in_mxfp4.rows)
+    return (*fc1_input, fc1_out, *columns(fc2_in.values))
 
 
 def _release_saved_fp4(ctx) -> None:

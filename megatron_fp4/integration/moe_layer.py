@@ -9,7 +9,9 @@ its inner `custom_forward`) runs, each step handed the previous step's result di
 With `moe` recompute the whole sequence runs twice: a first pass under no_grad inside Megatron's
 checkpoint and the recompute with grad on. This layer overrides the three middle steps and passes
 one value along them in the tokens' place, `LayerForward`: preprocess creates it (the permuted
-tokens and, with --moe-fp4-cache, the micro-batch and the cache's role in this pass), dispatch
+tokens, or, without --moe-permute-fusion, their MXFP4 rows: the dispatcher's permute_quantized
+quantizes each token once and permutes the rows; and, with --moe-fp4-cache, the micro-batch and
+the cache's role in this pass; a replayed pass quantizes nothing), dispatch
 adds what the all-to-all delivered (`ReceivedTokens`: BF16 tokens and the MXFP4 payload), and
 routed_experts_compute hands the payload to the experts as an argument. Nothing is set on one
 object for another to read. With --moe-fp4-telemetry the layer records each training pass's
@@ -34,7 +36,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from .. import telemetry
 from ..dispatch.cache import DispatchCache, MicroBatchKey
 from ..dispatch.saved_fp4 import FP4SavedRows
-from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher, ReceivedTokens
+from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher, QuantizedPermute, ReceivedTokens
 from ..options import ExpertsPrecision, FP4Options, Route
 from .spec_tree import rewrite_spec
 
@@ -49,10 +51,11 @@ class CacheRole(enum.Enum):
 class LayerForward:
     """One pass of one FP4MoELayer, from preprocess to the experts."""
 
-    tokens: torch.Tensor  # permuted tokens, grouped by destination rank
+    tokens: torch.Tensor  # permuted tokens, grouped by destination rank (with `quantized`: the gradient path only)
     cache_role: CacheRole = CacheRole.NONE
     micro_batch: Optional[MicroBatchKey] = None
     received: Optional[ReceivedTokens] = None  # set by dispatch
+    quantized: Optional[QuantizedPermute] = None  # the permute done on MXFP4 rows
 
 
 class FP4MoELayer(MoELayer):
@@ -94,14 +97,20 @@ class FP4MoELayer(MoELayer):
         role = self._cache_role(hidden_states)
         # Both passes see the same input storage: that names the micro-batch (see dispatch/cache.py).
         micro_batch = MicroBatchKey.of(hidden_states) if role is not CacheRole.NONE else None
-        tokens, probs = super().preprocess(hidden_states, probs, routing_map)
-        return LayerForward(tokens, role, micro_batch), probs
+        if not self.token_dispatcher.quantizes_before_permute():
+            tokens, probs = super().preprocess(hidden_states, probs, routing_map)
+            return LayerForward(tokens, role, micro_batch), probs
+        quantized, probs = self.token_dispatcher.permute_quantized(
+            hidden_states, routing_map, probs, quantize=role is not CacheRole.REPLAY)
+        return LayerForward(quantized.tokens, role, micro_batch, quantized=quantized), probs
 
     def dispatch(self, forward: LayerForward, probs):
         replay = self.recompute_cache.take(forward.micro_batch) if forward.cache_role is CacheRole.REPLAY else None
         # Our FP8 experts compute from the payload; Megatron's need its BF16 dequantization.
         dequantize = self.options.experts is not ExpertsPrecision.FP8
-        received, probs = self.token_dispatcher.dispatch_fp4(forward.tokens, probs, dequantize, replay)
+        quantized = forward.quantized
+        received, probs = self.token_dispatcher.dispatch_fp4(
+            forward.tokens, probs, dequantize, replay, wire=None if quantized is None else quantized.wire)
         recording = self._recording()
         if forward.cache_role is CacheRole.RECORD:
             entry = received.cached()
@@ -112,7 +121,8 @@ class FP4MoELayer(MoELayer):
             if replay is not None:
                 recording.release(replay.nbytes())
             counted = recording.dispatched(forward.tokens, received.tokens, replay is not None,
-                                           self.options.scale_rule, self.options.dispatch_grad)
+                                           self.options.scale_rule, self.options.dispatch_grad,
+                                           values=None if quantized is None else quantized.source)
             received = dataclasses.replace(received, tokens=counted)
         return dataclasses.replace(forward, received=received), probs
 

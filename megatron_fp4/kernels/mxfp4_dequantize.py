@@ -27,6 +27,25 @@ def _e2m1_times_scale_bf16(code, scale):
 
 
 @triton.jit
+def e8m0_scale(scale_byte):
+    """The fp32 value of an E8M0 scale byte (int32): 2^(byte - 127); byte 0 is the subnormal
+    2^-127, byte 255 a NaN that every product inherits."""
+    scale_bits = tl.where(scale_byte == 0, 0x00400000, scale_byte << 23)
+    return tl.where(scale_byte == E8M0_NAN, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_element(row_ptr, element, mask, WIDTH: tl.constexpr):
+    """fp32 value of element `element` of the MXFP4 wire row at row_ptr (a row of WIDTH elements),
+    exact (an MXFP4 value is a BF16 value); 0 where masked."""
+    byte = tl.load(row_ptr + element // 2, mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((element & 1) * 4)) & 0xF
+    scale_byte = tl.load(row_ptr + WIDTH // 2 + element // 32, mask=mask, other=0).to(tl.int32)
+    bf16_bits = _e2m1_times_scale_bf16(code, e8m0_scale(scale_byte))
+    return (bf16_bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dequantize_mxfp4_kernel(
     rows_ptr,
     out_pairs_ptr,
@@ -45,9 +64,7 @@ def _dequantize_mxfp4_kernel(
     column = block[None, :, None] * 16 + byte_in_block[None, None, :]
     packed = tl.load(in_row[:, :, None] + column, mask=block_mask[:, :, None], other=0).to(tl.int32)
     scale_byte = tl.load(in_row + BLOCKS_PER_ROW * 16 + block[None, :], mask=block_mask, other=0).to(tl.int32)
-    # 2^(byte - 127): byte 0 is the subnormal 2^-127, byte 255 a NaN that every product inherits.
-    scale_bits = tl.where(scale_byte == 0, 0x00400000, scale_byte << 23)
-    scale = tl.where(scale_byte == E8M0_NAN, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)[:, :, None]
+    scale = e8m0_scale(scale_byte)[:, :, None]
     lo = _e2m1_times_scale_bf16(packed & 0xF, scale)
     hi = _e2m1_times_scale_bf16(packed >> 4, scale)
     out_offsets = row2[:, :, None] * (BLOCKS_PER_ROW * 16) + column

@@ -44,6 +44,24 @@ def _e2m1_code(bits, inv_scale, SATURATE: tl.constexpr):
 
 
 @triton.jit
+def mxfp4_block_scale(amax, CEIL_RULE: tl.constexpr):
+    """A block's E8M0 scale from the int32 bits of its largest |x| (NaN / Inf bits sort above every
+    finite value): (scale byte, 1 / scale in fp32, whether the block is NaN)."""
+    biased_exp = amax >> 23
+    if CEIL_RULE:
+        # amax = 1.m * 2^E: the smallest k with amax <= 6 * 2^k is E - 2, plus 1 when 1.m > 1.5.
+        scale_byte = biased_exp - 2 + ((amax & 0x7FFFFF) > 0x400000).to(tl.int32)
+    else:
+        scale_byte = biased_exp - 2
+    scale_byte = tl.minimum(tl.maximum(scale_byte, 0), E8M0_MAX_FINITE)
+    is_nan = biased_exp == 255  # fp32's all-ones exponent: NaN or Inf
+    scale_byte = tl.where(is_nan, E8M0_NAN, scale_byte)
+    # 2^(127 - byte): a normal fp32 for every finite byte (0..253).
+    inv_scale = ((254 - tl.minimum(scale_byte, 253)) << 23).to(tl.float32, bitcast=True)
+    return scale_byte, inv_scale, is_nan
+
+
+@triton.jit
 def _quantize_mxfp4_kernel(
     x_pairs_ptr,
     rows_ptr,
@@ -67,17 +85,8 @@ def _quantize_mxfp4_kernel(
 
     # |x| as int32 orders like the float, and NaN / Inf bit patterns sort above every finite value.
     amax = tl.max(tl.maximum(lo & 0x7FFFFFFF, hi & 0x7FFFFFFF), axis=2)
-    biased_exp = amax >> 23
-    if CEIL_RULE:
-        # amax = 1.m * 2^E: the smallest k with amax <= 6 * 2^k is E - 2, plus 1 when 1.m > 1.5.
-        scale_byte = biased_exp - 2 + ((amax & 0x7FFFFF) > 0x400000).to(tl.int32)
-    else:
-        scale_byte = biased_exp - 2
-    scale_byte = tl.minimum(tl.maximum(scale_byte, 0), E8M0_MAX_FINITE)
-    is_nan = biased_exp == 255  # fp32's all-ones exponent: NaN or Inf
-    scale_byte = tl.where(is_nan, E8M0_NAN, scale_byte)
-    # 2^(127 - byte): a normal fp32 for every finite byte (0..253).
-    inv_scale = ((254 - tl.minimum(scale_byte, 253)) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    scale_byte, inv_scale, is_nan = mxfp4_block_scale(amax, CEIL_RULE)
+    inv_scale = inv_scale[:, :, None]
 
     packed = _e2m1_code(lo, inv_scale, not CEIL_RULE) | (_e2m1_code(hi, inv_scale, not CEIL_RULE) << 4)
     packed = tl.where(is_nan[:, :, None], 0, packed)  # a NaN block stores all-zero codes

@@ -16,14 +16,15 @@ from triton.compiler import ASTSource
 
 from . import (fp8_dequantize, fp8_quantize, fp8_quantize_cols, fp8_quantize_weight, fp8_transpose_weight,
                grouped_fp8_gemm, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8, row_sums)
-from ..experts import swiglu
+from ..experts import swiglu, swiglu_forward
 from ._sm90_spec import BuildVariant, KernelSpec
 
 SM90 = GPUTarget("cuda", 90, 32)
 
 # Every module with a Triton kernel; each declares its kernels' signatures in sm90_specs(variant).
 KERNEL_MODULES = (mxfp4_quantize, mxfp4_dequantize, mxfp4_to_fp8, fp8_quantize, fp8_quantize_cols,
-                  fp8_quantize_weight, fp8_transpose_weight, swiglu, fp8_dequantize, grouped_fp8_gemm, row_sums)
+                  fp8_quantize_weight, fp8_transpose_weight, swiglu, swiglu_forward, fp8_dequantize, grouped_fp8_gemm,
+                  row_sums)
 
 
 def kernel_specs(hidden: int = 7168, ceil_rule: bool = True, input_kind: int = 0) -> List[KernelSpec]:

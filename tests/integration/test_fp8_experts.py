@@ -373,22 +373,30 @@ def test_distributed_checkpoint_round_trip_with_sequential_mlp(model_parallel, d
 
 
 def test_no_grad_forward_saves_nothing_and_gives_the_same_output(model_parallel, device, monkeypatch):
-    import megatron_fp4.kernels as K
+    import megatron_fp4.experts.function as function
 
     experts = _build(model_parallel, device)
     payload, probs, grad = _inputs(device)
     received = ref.dequantize_mxfp4(payload)
     with_grad = _run(experts, received, probs, grad, payload)[0]
-    quantized = []
-    real_quantize = K.quantize_mxfp4
-    monkeypatch.setattr(K, "quantize_mxfp4", lambda *a, **k: quantized.append(a[0].shape) or real_quantize(*a, **k))
+    asked = []  # what the SwiGLU kernel was asked to write besides the FP8 rows
+    real_swiglu = function.swiglu_quantized
+
+    def recording_swiglu(*args, keep_values, mxfp4_rule):
+        out = real_swiglu(*args, keep_values=keep_values, mxfp4_rule=mxfp4_rule)
+        asked.append((out.values is not None, None if out.fc1_out_mxfp4 is None else out.fc1_out_mxfp4.shape,
+                      None if out.fc2_in_mxfp4 is None else out.fc2_in_mxfp4.shape))
+        return out
+
+    monkeypatch.setattr(function, "swiglu_quantized", recording_swiglu)
     with torch.no_grad():
         out, _ = experts(received, torch.tensor(COUNTS), probs, payload=payload)
     assert out.grad_fn is None and torch.equal(out, with_grad)
-    assert quantized == []  # nothing converted to MXFP4 for a backward that will not come
-    # With grad: the SwiGLU input and the fc2 input are.
+    assert asked == [(False, None, None)]  # nothing kept for a backward that will not come
+    # With grad: MXFP4 copies of the SwiGLU input and the fc2 input, no BF16 values.
+    asked.clear()
     _run(experts, received, probs, grad, payload)
-    assert quantized == [(sum(COUNTS), 2 * FFN), (sum(COUNTS), FFN)]
+    assert asked == [(False, (sum(COUNTS), 2 * FFN), (sum(COUNTS), FFN))]
 
 
 def test_runs_the_weight_holders_forward_pre_hooks(model_parallel, device):

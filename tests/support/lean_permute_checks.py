@@ -19,17 +19,35 @@ def _config(**extra):
                              use_cpu_initialization=True, **extra)
 
 
-EXPERTS, TOPK, TOKENS, HIDDEN = 8, 4, 96, 192
+EXPERTS, TOPK, TOKENS, HIDDEN = 8, 4, 96, 256
 CONFIGS = {"dropless": {}, "dropped and padded": {"moe_expert_capacity_factor": 0.5,
                                                   "moe_pad_expert_input_to_capacity": True}}
 
 
-def _step(dispatcher, x, routing_map, probs, gy):
+STATE = ("hidden_shape", "hidden_shape_before_permute", "routing_map", "reversed_local_input_permutation_mapping",
+         "tokens_per_expert", "num_out_tokens")
+
+
+def _megatrons_dispatch(dispatcher, x, routing_map, probs):
+    tokens, permuted_probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
+    state = {key: getattr(dispatcher, key) for key in STATE}
+    return dispatcher.token_dispatch(tokens, permuted_probs), state
+
+
+def _quantized_dispatch(dispatcher, x, routing_map, probs):
+    """FP4AlltoAllTokenDispatcher's permute of MXFP4 rows, as FP4MoELayer runs it."""
+    quantized, permuted_probs = dispatcher.permute_quantized(x, routing_map, probs, quantize=True)
+    state = {key: getattr(dispatcher, key) for key in STATE}
+    received, permuted_probs = dispatcher.dispatch_fp4(quantized.tokens, permuted_probs, dequantize=True,
+                                                       wire=quantized.wire)
+    return (received.tokens, permuted_probs), state
+
+
+def _step(dispatcher, x, routing_map, probs, gy, dispatch=_megatrons_dispatch):
     """Dispatch, scale each row by 3 x its prob (an expert stand-in), combine, backward."""
     x = x.clone().requires_grad_(True)
     probs = probs.clone().requires_grad_(True)
-    tokens, permuted_probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
-    tokens, permuted_probs = dispatcher.token_dispatch(tokens, permuted_probs)
+    (tokens, permuted_probs), state = dispatch(dispatcher, x, routing_map, probs)
     tokens, tokens_per_expert, permuted_probs = dispatcher.dispatch_postprocess(tokens, permuted_probs)
     scale = (3 * permuted_probs).unsqueeze(-1).to(tokens.dtype)
     rows = tokens * scale
@@ -37,7 +55,7 @@ def _step(dispatcher, x, routing_map, probs, gy):
     out.backward(gy)
     return {"out": out.detach(), "rows": rows.detach(), "scale": scale.detach(), "x.grad": x.grad,
             "probs.grad": probs.grad, "tokens_per_expert": tokens_per_expert,
-            "indices": dispatcher.reversed_local_input_permutation_mapping}
+            "indices": dispatcher.reversed_local_input_permutation_mapping, "state": state}
 
 
 def _bits(t):
@@ -96,6 +114,30 @@ def check(name: str, extra: dict, pg_collection, device) -> None:
     expect(bool(dropped.any()) == bool(extra), "tokens without copies expected exactly when dropping")
     expect(not lean["x.grad"].view(TOKENS, HIDDEN)[dropped.to(lean["x.grad"].device)].any(),
            "a dropped token must get no gradient")
+    check_quantized_permute(name, config, pg_collection, inputs, expect)
+
+
+def check_quantized_permute(name, config, pg_collection, inputs, expect) -> None:
+    """The FP4 dispatcher's permute of MXFP4 rows against its dispatch of Megatron's permuted BF16
+    tokens (quantized after the gather): the same dispatcher state, bytes sent, values and gradients."""
+    import torch
+
+    from megatron_fp4.dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher
+
+    def dispatcher():
+        return FP4AlltoAllTokenDispatcher(EXPERTS, list(range(EXPERTS)), config=config, pg_collection=pg_collection)
+
+    gathered_then_quantized = _step(dispatcher(), *inputs)
+    quantized_dispatcher = dispatcher()
+    expect(quantized_dispatcher.quantizes_before_permute(), "no fusion, no latent: the quantized permute applies")
+    permuted = _step(quantized_dispatcher, *inputs, dispatch=_quantized_dispatch)
+    for key, value in gathered_then_quantized["state"].items():
+        same = torch.equal(value, permuted["state"][key]) if torch.is_tensor(value) else value == permuted["state"][key]
+        expect(same, f"quantized permute: dispatcher state {key} differs")
+    for key in ("out", "rows", "x.grad", "probs.grad", "tokens_per_expert", "indices"):
+        expect(torch.equal(_bits(permuted[key]), _bits(gathered_then_quantized[key])),
+               f"quantized permute: {key} differs from quantizing after the gather")
+    expect(permuted["x.grad"].abs().sum() > 0, "quantized permute: no gradient reached the tokens")
 
 
 def main() -> int:
