@@ -11,6 +11,7 @@ kernel and size (reference: the copy) and one "time" row where the compiled base
 
     python -m benchmarks.bench_kernels                 # the full table
     python -m benchmarks.bench_kernels --sweep         # also try tile configs at 16384 x 7168
+    python -m benchmarks.bench_kernels --sizes 32768x4096 --kernels swiglu_backward,swiglu_backward_mxfp4
 """
 
 import argparse
@@ -113,6 +114,45 @@ def build_cases(tokens: int, hidden: int) -> List[Case]:
         Case("quantize_fp8_weight_t", lambda x: x,
              lambda w, cfg: mf.quantize_fp8_weight(w, transpose=True, **_cfg(cfg)),
              lambda w: weight_ref(w, True), lambda t, h: t * h * 3 + (t // FP8_BLOCK) * (h // FP8_BLOCK) * 4),
+        *swiglu_cases(),
+    ]
+
+
+def swiglu_cases() -> List[Case]:
+    """The experts' SwiGLU kernels, [T, H] read as fc1_out (H = 2 x FFN): the forward writing fc2_in's FP8
+    rows and either the MXFP4 copies backward reads (the FP4 recipe) or its BF16 values (the baseline);
+    the backward from BF16 fc1_out, from its MXFP4 copy, and from that copy dequantized first (two
+    kernels). Bytes: what each reads and writes once (probs and the FP8 scales included)."""
+    from megatron_fp4.experts.swiglu import swiglu_with_probs_backward
+    from megatron_fp4.experts.swiglu_forward import swiglu_quantized
+
+    def with_probs(x):
+        return x, torch.rand(x.shape[0], device=x.device)
+
+    def backward_args(fc1_out, x):
+        return fc1_out, torch.rand(x.shape[0], device=x.device), torch.randn_like(x[:, : x.shape[1] // 2])
+
+    def fp8_rows_bytes(t, ffn):
+        return t * ffn + t * (ffn // FP8_BLOCK) * 4
+
+    def backward_bytes(fc1_bytes):
+        return lambda t, h: t * fc1_bytes(h) + t * (h // 2) * 2 + t * h * 2 + t * 8
+
+    return [
+        Case("swiglu_forward_mxfp4", with_probs,
+             lambda a, cfg: swiglu_quantized(a[0], a[1], 0.0, torch.bfloat16, keep_values=False, mxfp4_rule="ceil"),
+             None, lambda t, h: t * h * 2 + t * 4 + fp8_rows_bytes(t, h // 2) + t * mxfp4_wire_bytes_per_row(h // 2)
+             + t * mxfp4_wire_bytes_per_row(h)),
+        Case("swiglu_forward_values", with_probs,
+             lambda a, cfg: swiglu_quantized(a[0], a[1], 0.0, torch.bfloat16, keep_values=True, mxfp4_rule=None),
+             None, lambda t, h: t * h * 2 + t * 4 + fp8_rows_bytes(t, h // 2) + t * (h // 2) * 2),
+        Case("swiglu_backward", lambda x: backward_args(x, x),
+             lambda a, cfg: swiglu_with_probs_backward(*a, 0.0), None, backward_bytes(lambda h: h * 2)),
+        Case("swiglu_backward_mxfp4", lambda x: backward_args(mf.quantize_mxfp4(x), x),
+             lambda a, cfg: swiglu_with_probs_backward(*a, 0.0), None, backward_bytes(mxfp4_wire_bytes_per_row)),
+        Case("swiglu_backward_dequantized", lambda x: backward_args(mf.quantize_mxfp4(x), x),
+             lambda a, cfg: swiglu_with_probs_backward(mf.dequantize_mxfp4(a[0]), *a[1:], 0.0), None,
+             backward_bytes(mxfp4_wire_bytes_per_row)),
     ]
 
 
@@ -198,6 +238,7 @@ def main(argv=None) -> int:
                         "list) and use the best of each in the table")
     parser.add_argument("--sizes", default=None, help="comma-separated TxH list, e.g. 16384x7168,4096x2048")
     parser.add_argument("--no-baseline", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--kernels", default=None, help="comma-separated kernel (case) names; default: all")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
@@ -205,6 +246,10 @@ def main(argv=None) -> int:
     recorder = Recorder("bench_kernels", gpus=1, experts=EXPERTS)
     sizes = SIZES if args.sizes is None else [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
 
+    if args.kernels is not None:
+        unknown = set(args.kernels.split(",")) - {case.name for case in build_cases(*sizes[0])}
+        if unknown:
+            raise SystemExit(f"--kernels: no kernel named {sorted(unknown)}")
     ceilings = memory_ceilings()
     copy_bw = ceilings["copy"]
     print(recorder.description())
@@ -220,6 +265,8 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for tokens, hidden in sizes:
         for case in build_cases(tokens, hidden):
+            if args.kernels is not None and case.name not in args.kernels.split(","):
+                continue
             started = time.time()
             inputs = rotating_inputs(case, tokens, hidden, gen)
             cfg = best.get(case.name) or best.get(case.name.replace("_ragged", ""))

@@ -4,11 +4,13 @@ more MoE layer configurations (LAYERS). Rank 0 prints, per configuration, the
 wall time per step next to the GPU kernel time summed (a large gap means the CPU cannot keep the GPU
 busy) and the kernels by total GPU time; with --host also the host syncs of one step (with the
 Python lines that caused them) and the CPU ops by self CPU time; with --python the Python functions
-(and the C calls they make) by own host time, from cProfile (its overhead inflates every call alike).
+(and the C calls they make) by own host time, from cProfile (its overhead inflates every call alike);
+with --gaps where the GPU idles in one step started on a synchronized GPU.
 
     torchrun --nproc-per-node 2 -m benchmarks.profile_moe_layer --experts 16 --layer stock,fp4-fp8 [--host]
     torchrun --nproc-per-node 2 -m benchmarks.profile_moe_layer --experts 16 --layer fp4-fp8-recompute,fp4-fp8-cache
     torchrun --nproc-per-node 2 -m benchmarks.profile_moe_layer --experts 16 --layer fp4-fp8-cache --python
+    python3 -m benchmarks.profile_moe_layer --experts 32 --layer stock,fp4-fp8 --gaps
 
 Layers: see LAYERS (the *-recompute and *-cache ones checkpoint the layer with recompute_modules
 ["moe"], the latter with the FP4 recompute cache on). A profiler's printout, not benchmark rows:
@@ -43,8 +45,12 @@ def main(argv=None) -> int:
     parser.add_argument("--layer", default="fp4-fp8", help=f"comma-separated, from {', '.join(LAYERS)}")
     parser.add_argument("--host", action="store_true", help="also the host syncs and CPU ops of a step")
     parser.add_argument("--python", action="store_true", help="also host time by Python function (cProfile)")
+    parser.add_argument("--gaps", action="store_true",
+                        help="also where the GPU idles in one step started from a synchronized GPU (as "
+                             "bench_moe_layer times a step): each idle gap of 20 us or more, the kernels around "
+                             "it and the CPU ops that started in it")
     args = parser.parse_args(argv)
-    host, python = args.host, args.python
+    host, python, gaps = args.host, args.python, args.gaps
     layer_names = args.layer.split(",")
     unknown = [name for name in layer_names if name not in LAYERS]
     if unknown:
@@ -53,13 +59,14 @@ def main(argv=None) -> int:
 
     rank, world, log, _ = start_expert_parallel(args, "profile_moe_layer", f"profiling {', '.join(layer_names)}")
     for name in layer_names:
-        profile_layer(args, name, rank, world, log, host, python)
+        profile_layer(args, name, rank, world, log, host, python, gaps)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
 
 
-def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool, python: bool) -> None:
+def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool, python: bool,
+                  gaps: bool = False) -> None:
     from megatron_fp4.integration.standalone import build_moe_layer
     from megatron_fp4.options import FP4Options
 
@@ -93,6 +100,8 @@ def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool,
         log_host_side(step, steps, log if rank == 0 else (lambda *_: None))
     if python:
         log_python_side(step, steps, log if rank == 0 else (lambda *_: None))
+    if gaps:
+        log_idle_gaps(step, log if rank == 0 else (lambda *_: None))
     del layer, step
     torch.cuda.empty_cache()
 
@@ -132,6 +141,42 @@ def log_host_side(step, steps: int, log) -> None:
     log("CPU ops by self CPU time per step:")
     for e in events[:25]:
         log(f"{e.self_cpu_time_total / steps / 1000:8.3f} ms {e.count // steps:5d}x  {e.key[:100]}")
+
+
+def log_idle_gaps(step, log, shortest_us: float = 20.0, shown: int = 12) -> None:
+    """The GPU's idle gaps in one step that starts on a synchronized GPU (the benchmark's timed
+    step): their total, and for the `shown` longest (in step order) the kernels before and after
+    and the first CPU ops (aten and CUDA runtime calls, by name) that started during it, so that a
+    launch-bound or synchronizing stretch of the step can be named."""
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    cpu_ops = sorted((e.time_range.start, e.name) for e in events if e.device_type == torch.autograd.DeviceType.CPU)
+    if not kernels:
+        log("no GPU activity recorded")
+        return
+    idle, reach, previous = [], kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start - reach >= shortest_us:
+            idle.append((reach, start, previous, name))
+        if end > reach:
+            reach, previous = end, name
+    span = reach - kernels[0][0]
+    total = sum(end - start for start, end, _, _ in idle)
+    log(f"GPU idle in one step from a synchronized start: {total / 1000:.3f} ms in {len(idle)} gaps of "
+        f">= {shortest_us:.0f} us, over {span / 1000:.3f} ms from its first kernel to its last; the "
+        f"{min(shown, len(idle))} longest:")
+    longest = sorted(sorted(idle, key=lambda gap: gap[0] - gap[1])[:shown])
+    for start, end, before, after in longest:
+        during = [name for t, name in cpu_ops if start <= t < end]
+        names = list(dict.fromkeys(during))[:6]
+        log(f"  {(end - start) / 1000:7.3f} ms after {before[:40]} before {after[:40]}; host: {len(during)} ops, "
+            f"{', '.join(n[:32] for n in names)}")
 
 
 def log_python_side(step, steps: int, log, top: int = 30) -> None:

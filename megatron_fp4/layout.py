@@ -5,7 +5,8 @@ whole 128-token blocks and starts at a multiple of 128. The kernels, the experts
 all take these rules from here.
 """
 
-import torch
+import itertools
+from typing import Iterable, List
 
 from .formats import FP8_BLOCK
 
@@ -16,7 +17,7 @@ def colwise_capacity(num_tokens: int, num_experts: int) -> int:
     return (num_tokens + (FP8_BLOCK - 1) * num_experts) // FP8_BLOCK * FP8_BLOCK
 
 
-def padded_segment_offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """int64 [E + 1]: start of each expert's 128-aligned segment in a colwise operand."""
-    padded = (tokens_per_expert.long() + FP8_BLOCK - 1) // FP8_BLOCK * FP8_BLOCK
-    return torch.nn.functional.pad(torch.cumsum(padded, 0), (1, 0))
+def padded_segment_offsets(tokens_per_expert: Iterable) -> List[int]:
+    """[E + 1]: start of each expert's 128-aligned segment in a colwise operand (counts on the host)."""
+    padded = ((int(n) + FP8_BLOCK - 1) // FP8_BLOCK * FP8_BLOCK for n in tokens_per_expert)
+    return [0, *itertools.accumulate(padded)]

@@ -155,7 +155,7 @@ def _ragged_layout(num_tokens: int, tokens_per_expert, capacity: Optional[int]):
     if counts.sum().item() != num_tokens:
         raise ValueError(f"tokens_per_expert sums to {counts.sum().item()}, the tensor has {num_tokens} tokens")
     capacity = colwise_capacity(num_tokens, len(counts)) if capacity is None else capacity
-    return counts, capacity, padded_segment_offsets(counts)
+    return counts, capacity, torch.tensor(padded_segment_offsets(counts), dtype=torch.int64)
 
 
 def fp8_columns_of_segment(codes: torch.Tensor, scale_byte: torch.Tensor):

@@ -30,11 +30,12 @@ class TokenRows:
 
     @staticmethod
     def of(indices: torch.Tensor, num_tokens: int) -> "TokenRows":
-        indices = indices.to(torch.int64)
-        order = torch.argsort(indices, stable=True)
+        # 32-bit keys: half the radix sort's passes (and launches) of int64 ones.
+        keys = indices.to(torch.int32)
+        order = torch.argsort(keys, stable=True)
         # Where each token's run starts among the sorted tokens; torch.bincount would wait for the GPU.
-        tokens = torch.arange(num_tokens + 1, device=indices.device)
-        return TokenRows(indices, order, torch.searchsorted(indices[order], tokens))
+        tokens = torch.arange(num_tokens + 1, dtype=torch.int32, device=indices.device)
+        return TokenRows(indices.to(torch.int64), order, torch.searchsorted(keys[order], tokens))
 
     def sums(self, rows: torch.Tensor) -> torch.Tensor:
         """[num_tokens, H]: each token's rows added (fp32, one rounding)."""
@@ -97,8 +98,14 @@ class LeanPermute:
         return not self.config.moe_permute_fusion
 
     def _token_rows(self) -> TokenRows:
-        """Where the permute of this forward put each token's copies."""
-        return TokenRows.of(self.reversed_local_input_permutation_mapping, self.hidden_shape_before_permute[0])
+        """Where the permute of this forward put each token's copies; computed once for the
+        permute's mapping (the dispatch and the combine of a forward read the same one)."""
+        mapping = self.reversed_local_input_permutation_mapping
+        memo = getattr(self, "_token_rows_of_mapping", None)
+        if memo is None or memo[0] is not mapping:
+            memo = (mapping, TokenRows.of(mapping, self.hidden_shape_before_permute[0]))
+            self._token_rows_of_mapping = memo
+        return memo[1]
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """The parent's permute, its gradient summed per token without atomics."""

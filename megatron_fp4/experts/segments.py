@@ -3,6 +3,7 @@ of the colwise (wgrad) operands. Counts come from the dispatcher, already on the
 read them, and the row offsets, on the device."""
 
 from dataclasses import dataclass
+import itertools
 from typing import Iterator, List, Tuple
 
 import torch
@@ -20,17 +21,15 @@ class ExpertSegments:
 
     @classmethod
     def of(cls, tokens_per_expert, device: torch.device) -> "ExpertSegments":
-        host = torch.as_tensor(tokens_per_expert).detach().to("cpu", torch.int64)
-        counts = host.tolist()
+        # In Python: the launch of the experts' first kernel waits for this host work.
+        counts = [int(n) for n in torch.as_tensor(tokens_per_expert).tolist()]
         if any(n < 0 for n in counts):
             raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
-        rows = torch.nn.functional.pad(torch.cumsum(host, 0), (1, 0))
+        rows = [0, *itertools.accumulate(counts)]
         # One pinned copy of counts and offsets goes to the GPU without waiting for it (no host sync).
-        both = torch.cat([host, rows])
-        if device.type == "cuda":
-            both = both.pin_memory().to(device, non_blocking=True)
-        return cls(counts, both[: len(counts)], rows.tolist(), both[len(counts):],
-                   padded_segment_offsets(host).tolist())
+        both = torch.tensor(counts + rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+        both = both.to(device, non_blocking=True)
+        return cls(counts, both[: len(counts)], rows, both[len(counts):], padded_segment_offsets(counts))
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..kernels import dequantize_mxfp4
 from ..kernels._bits import store_rounded
-from ..kernels.mxfp4_dequantize import mxfp4_element
+from ..kernels.mxfp4_dequantize import mxfp4_columns
 from ..tensors import MXFP4Tensor
 from ..kernels._checks import interpreter_enabled
 from ..kernels._sm90_spec import BuildVariant, KernelSpec
@@ -63,12 +63,16 @@ def swiglu_with_probs_backward_eager(fc1_out: torch.Tensor, probs: torch.Tensor,
 
 
 @triton.jit
-def _fc1_out_columns(fc1_out_ptr, row_at, col, mask, FFN: tl.constexpr, FC1_MXFP4: tl.constexpr):
-    """(gate, linear) columns `col` of fc1_out's rows in fp32, from BF16 rows or MXFP4 wire rows
-    (row_at: the rows' offsets, in elements or bytes)."""
+def _fc1_out_columns(fc1_out_ptr, row_at, row_ok, start, col, mask, FFN: tl.constexpr, FC1_MXFP4: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_FFN: tl.constexpr):
+    """(gate, linear) columns `col` (= start + arange(BLOCK_FFN)) of fc1_out's rows in fp32, from BF16
+    rows or MXFP4 wire rows (row_at: the rows' offsets [BLOCK_ROWS, 1], in elements or bytes)."""
     if FC1_MXFP4:
-        return (mxfp4_element(fc1_out_ptr + row_at, col, mask, 2 * FFN),
-                mxfp4_element(fc1_out_ptr + row_at, col + FFN, mask, 2 * FFN))
+        blocks_left = (FFN - start) // 32
+        return (mxfp4_columns(fc1_out_ptr, row_at, row_ok, start // 32, blocks_left, 2 * FFN, BLOCK_ROWS,
+                              BLOCK_FFN // 32),
+                mxfp4_columns(fc1_out_ptr, row_at, row_ok, (FFN + start) // 32, blocks_left, 2 * FFN, BLOCK_ROWS,
+                              BLOCK_FFN // 32))
     gate_at = fc1_out_ptr + row_at + col
     return (tl.load(gate_at, mask=mask, other=0).to(tl.float32),
             tl.load(gate_at + FFN, mask=mask, other=0).to(tl.float32))
@@ -86,7 +90,8 @@ def _swiglu_backward_kernel(fc1_out_ptr, probs_ptr, grad_ptr, grad_fc1_out_ptr, 
     for start in tl.static_range(0, FFN, BLOCK_FFN):
         col = start + tl.arange(0, BLOCK_FFN)[None, :]
         mask = row_ok[:, None] & (col < FFN)
-        gate, linear = _fc1_out_columns(fc1_out_ptr, row64 * fc1_out_row_stride, col, mask, FFN, FC1_MXFP4)
+        gate, linear = _fc1_out_columns(fc1_out_ptr, row64 * fc1_out_row_stride, row_ok[:, None], start, col, mask,
+                                        FFN, FC1_MXFP4, BLOCK_ROWS, BLOCK_FFN)
         linear = linear + offset
         grad = tl.load(grad_ptr + row64 * FFN + col, mask=mask, other=0).to(tl.float32)
         sigmoid = 1.0 / (1.0 + tl.exp(-gate))
