@@ -121,8 +121,7 @@ def build_cases(tokens: int, hidden: int) -> List[Case]:
 def swiglu_cases() -> List[Case]:
     """The experts' SwiGLU kernels, [T, H] read as fc1_out (H = 2 x FFN): the forward writing fc2_in's FP8
     rows and either the MXFP4 copies backward reads (the FP4 recipe) or its BF16 values (the baseline);
-    the backward from BF16 fc1_out, from its MXFP4 copy, and from that copy dequantized first (two
-    kernels). Bytes: what each reads and writes once (probs and the FP8 scales included)."""
+    the backward from BF16 fc1_out and from its MXFP4 copy (dequantized first: two kernels). Bytes: what each reads and writes once (probs and the FP8 scales included)."""
     from megatron_fp4.experts.swiglu import swiglu_with_probs_backward
     from megatron_fp4.experts.swiglu_forward import swiglu_quantized
 
@@ -148,8 +147,6 @@ def swiglu_cases() -> List[Case]:
              None, lambda t, h: t * h * 2 + t * 4 + fp8_rows_bytes(t, h // 2) + t * (h // 2) * 2),
         Case("swiglu_backward", lambda x: backward_args(x, x),
              lambda a, cfg: swiglu_with_probs_backward(*a, 0.0), None, backward_bytes(lambda h: h * 2)),
-        Case("swiglu_backward_mxfp4", lambda x: backward_args(mf.quantize_mxfp4(x), x),
-             lambda a, cfg: swiglu_with_probs_backward(*a, 0.0), None, backward_bytes(mxfp4_wire_bytes_per_row)),
         Case("swiglu_backward_dequantized", lambda x: backward_args(mf.quantize_mxfp4(x), x),
              lambda a, cfg: swiglu_with_probs_backward(mf.dequantize_mxfp4(a[0]), *a[1:], 0.0), None,
              backward_bytes(mxfp4_wire_bytes_per_row)),

@@ -35,24 +35,6 @@ def e8m0_scale(scale_byte):
 
 
 @triton.jit
-def mxfp4_columns(rows_ptr, row_at, row_ok, first_block, num_blocks, WIDTH: tl.constexpr,
-                  BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
-    """fp32 [BLOCK_ROWS, 32 BLOCKS]: MXFP4 blocks first_block .. first_block + BLOCKS of the wire rows
-    of WIDTH elements at byte offsets row_at ([BLOCK_ROWS, 1]; row_ok the same shape), exact (an MXFP4
-    value is a BF16 value); blocks from num_blocks on, and masked rows, read as 0. Whole 16-byte
-    blocks are loaded and both nibbles decoded, then interleaved back into element order."""
-    block = tl.arange(0, BLOCKS)[None, :, None]
-    ok = row_ok[:, :, None] & (block < num_blocks)
-    row_start = rows_ptr + row_at[:, :, None]
-    data_at = row_start + (first_block + block) * 16 + tl.arange(0, 16)[None, None, :]
-    packed = tl.load(data_at, mask=ok, other=0).to(tl.int32)
-    scale = e8m0_scale(tl.load(row_start + WIDTH // 2 + first_block + block, mask=ok, other=0).to(tl.int32))
-    pairs = tl.join(_e2m1_times_scale_bf16(packed & 0xF, scale), _e2m1_times_scale_bf16(packed >> 4, scale))
-    bits = tl.reshape(pairs, [BLOCK_ROWS, BLOCKS * 32])
-    return (bits << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _dequantize_mxfp4_kernel(
     rows_ptr,
     out_pairs_ptr,
