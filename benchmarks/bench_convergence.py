@@ -502,10 +502,11 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_convergence", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default=None,
-                   help=f"comma-separated run names from: {', '.join(CATALOGUE)} (default: {','.join(DEFAULT_RUNS)}; "
-                        "with --from-logs, the runs of DIR's harness.json); '' for none")
+                   help=f"comma-separated run names from: {', '.join(CATALOGUE)} (default, when no --run is given "
+                        f"either: {','.join(DEFAULT_RUNS)}; with --from-logs, the runs of DIR's harness.json)")
     p.add_argument("--run", action="append", default=[], metavar="SPEC", type=parse_run_spec,
-                   help="an extra run: 'NAME CONFIG SEED [data_seed=N] [FLAGS ...]' (repeatable)")
+                   help="a run of your own: 'NAME CONFIG SEED [data_seed=N] [FLAGS ...]' (repeatable; with --runs, "
+                        "in addition to those; alone, the only runs)")
     p.add_argument("--iters", type=int, default=None,
                    help=f"training iterations per run (default {DEFAULT_ITERS}; with --from-logs, DIR's harness.json's, "
                         "else the logs')")
@@ -539,7 +540,9 @@ def parse_args(argv):
     if args.runs is None and args.from_logs is not None and (args.from_logs / HARNESS_JSON).exists():
         args.selected = invocation_runs(args.from_logs) + args.run
     else:
-        names = [n for n in (",".join(DEFAULT_RUNS) if args.runs is None else args.runs).split(",") if n]
+        # --run alone names every run: a call of one's own runs must not start the default set too.
+        default = "" if args.run else ",".join(DEFAULT_RUNS)
+        names = [n for n in (default if args.runs is None else args.runs).split(",") if n]
         unknown = [n for n in names if n not in CATALOGUE]
         if unknown:
             p.error(f"unknown run(s) {', '.join(unknown)}; known: {', '.join(CATALOGUE)}")

@@ -306,3 +306,16 @@ def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, small_co
     assert "tokens per second (GPU shared by all runs)" not in {r["metric"] for r in results}
     assert {r["case"] for r in curves} == {"bf16_lr"} and len(curves) == len(canned.points)
     assert "bf16_other_order: no plain BF16 run of data order 77 and 6 iterations on its validation set in the rows" in out
+
+
+def test_runs_of_ones_own_replace_the_default_set_unless_runs_names_more():
+    """--run alone names every run (a call that meant to train two runs once started the twelve of the
+    default set as well); with --runs both are taken; with neither, the default set."""
+    spec = "fp4_again fp4 3456"
+    alone = harness.parse_args(["--run", spec])
+    assert [run.name for run in alone.selected] == ["fp4_again"]
+    both = harness.parse_args(["--runs", "bf16,fp4", "--run", spec])
+    assert [run.name for run in both.selected] == ["bf16", "fp4", "fp4_again"]
+    assert [run.name for run in harness.parse_args([]).selected] == list(harness.DEFAULT_RUNS)
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--runs", ""])  # nothing to run
