@@ -11,7 +11,7 @@ kernel and size (reference: the copy) and one "time" row where the compiled base
 
     python -m benchmarks.bench_kernels                 # the full table
     python -m benchmarks.bench_kernels --sweep         # also try tile configs at 16384 x 7168
-    python -m benchmarks.bench_kernels --sizes 32768x4096 --kernels swiglu_backward,swiglu_backward_mxfp4
+    python -m benchmarks.bench_kernels --sizes 32768x4096 --kernels swiglu_backward,swiglu_backward_dequantized
 """
 
 import argparse

@@ -11,7 +11,8 @@ Recorded per step and GPU:
   cache sends nothing forward, where BF16 would have sent again.
 - the relative RMS error of the MXFP4 quantization of the dispatched tokens, sqrt(sum (q - x)^2 /
   sum x^2) over up to SAMPLED_ROWS rows of each dispatch taken at an even stride (rows quantize
-  independently, so the sample is quantized again exactly as the dispatch quantized it);
+  independently, so the sample is quantized again exactly as the dispatch quantized it); where the
+  permute moved MXFP4 rows, the rows are the layer's tokens, each once (dropped ones included);
 - cache hits: recomputes whose dispatch the recompute cache replayed;
 - FP4 storage held: bytes of cached payloads and of activations kept in MXFP4 for backward, from
   when they are kept until they are used; the step's peak.

@@ -1,6 +1,7 @@
 """The dispatch all-to-all in MXFP4, as one autograd function.
 
-Forward: quantize the permuted tokens to MXFP4 wire rows, send them with the same splits as the
+Forward: quantize the permuted tokens to MXFP4 wire rows (or take the rows the permute already
+moved in MXFP4), send them with the same splits as the
 BF16 all-to-all would use, and hand back both the received payload (for experts that take FP4)
 and its BF16 dequantization (for Megatron's own experts). Backward: straight-through for the
 quantization; the gradient goes back BF16 (exact) or FP8 1x128 rows, with the splits swapped.

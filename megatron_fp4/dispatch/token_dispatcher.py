@@ -91,6 +91,8 @@ class FP4AlltoAllTokenDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
         the permuted probs). Call only where quantizes_before_permute()."""
         # The parent's metadata steps and its host sync point, in its order (megatron-core 0.18-0.19;
         # tests/integration/test_lean_permute.py compares the state with the parent's).
+        assert probs.dim() == 2 and routing_map.dim() == 2 and routing_map.dtype == torch.bool, \
+            "probs and routing_map must be 2-D [tokens, experts], the map boolean (as the parent asserts)"
         self.hidden_shape = hidden_states.shape
         self.probs = probs
         self.routing_map = routing_map

@@ -2,8 +2,8 @@
 of the colwise (wgrad) operands. Counts come from the dispatcher, already on the host; the kernels
 read them, and the row offsets, on the device."""
 
-from dataclasses import dataclass
 import itertools
+from dataclasses import dataclass
 from typing import Iterator, List, Tuple
 
 import torch

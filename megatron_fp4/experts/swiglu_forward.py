@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FP8_BLOCK, MXFP4_BLOCK, check_scale_rule
+from ..formats import FP8_BLOCK, MXFP4_BLOCK, check_scale_rule, mxfp4_wire_bytes_per_row
 from ..kernels._bits import abs_max4, e4m3_word, fp32_to_bf16_bits, fp8_block_scale, load_float_quads
 from ..kernels._checks import check_float_matrix, check_kernel_device, float_kind, interpreter_enabled, quad_ready
 from ..kernels._format_constants import E4M3_NAN
@@ -59,16 +59,16 @@ def _activation_bits(gate_bits, linear_bits, prob, offset, OUT_KIND: tl.constexp
 
 @triton.jit
 def _store_mxfp4_quads(rows_ptr, row, row_ok, quad, block, e0, e1, e2, e3, WIDTH: tl.constexpr,
-                       CEIL_RULE: tl.constexpr):
+                       ROW_BYTES: tl.constexpr, CEIL_RULE: tl.constexpr):
     """MXFP4 of [rows, blocks, 8] quads (fp32 bits of elements 4q .. 4q + 3) into the wire rows
-    `row` ([rows, 1], int64; row_ok the same shape) of WIDTH elements: two data bytes a quad, one
-    scale byte a block ([1, blocks])."""
+    `row` ([rows, 1], int64; row_ok the same shape) of WIDTH elements and ROW_BYTES bytes: two data
+    bytes a quad, then one scale byte a block ([1, blocks])."""
     scale_byte, inv_scale, is_nan = mxfp4_block_scale(tl.max(abs_max4(e0, e1, e2, e3), axis=2), CEIL_RULE)
     inv = inv_scale[:, :, None]
     low = _e2m1_code(e0, inv, not CEIL_RULE) | (_e2m1_code(e1, inv, not CEIL_RULE) << 4)
     high = _e2m1_code(e2, inv, not CEIL_RULE) | (_e2m1_code(e3, inv, not CEIL_RULE) << 4)
     pair = tl.where(is_nan[:, :, None], 0, low | (high << 8))  # a NaN block stores all-zero codes
-    row_start = rows_ptr + row * (WIDTH // 2 + WIDTH // MXFP4_BLOCK_SIZE)
+    row_start = rows_ptr + row * ROW_BYTES
     quads_ok = row_ok[:, :, None] & (quad >= 0)
     tl.store(row_start[:, :, None].to(tl.pointer_type(tl.int16)) + quad, pair.to(tl.int16), mask=quads_ok)
     tl.store(row_start + WIDTH // 2 + block, scale_byte.to(tl.uint8), mask=row_ok & (block >= 0))
@@ -115,6 +115,8 @@ def _swiglu_quantized_kernel(
     KEEP_VALUES: tl.constexpr,
     MXFP4: tl.constexpr,
     CEIL_RULE: tl.constexpr,
+    FC2_ROW_BYTES: tl.constexpr,  # MXFP4 wire rows of fc2_in (FFN elements) and of fc1_out (2 FFN)
+    FC1_ROW_BYTES: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
     group = tl.program_id(1)  # the FP8 group of fc2_in's columns
@@ -143,10 +145,12 @@ def _swiglu_quantized_kernel(
         _store_values(values_ptr, row_quad, row_ok, a0, a1, a2, a3, OUT_KIND)
     if MXFP4:
         rows, rows_ok = row.to(tl.int64)[:, None], (row < num_rows)[:, None]
-        _store_mxfp4_quads(fc2_in_mxfp4_ptr, rows, rows_ok, quad, block, a0, a1, a2, a3, FFN, CEIL_RULE)
-        _store_mxfp4_quads(fc1_out_mxfp4_ptr, rows, rows_ok, quad, block, g0, g1, g2, g3, 2 * FFN, CEIL_RULE)
+        _store_mxfp4_quads(fc2_in_mxfp4_ptr, rows, rows_ok, quad, block, a0, a1, a2, a3, FFN, FC2_ROW_BYTES,
+                           CEIL_RULE)
+        _store_mxfp4_quads(fc1_out_mxfp4_ptr, rows, rows_ok, quad, block, g0, g1, g2, g3, 2 * FFN, FC1_ROW_BYTES,
+                           CEIL_RULE)
         _store_mxfp4_quads(fc1_out_mxfp4_ptr, rows, rows_ok, quad + FFN // 4, block + FFN // MXFP4_BLOCK_SIZE,
-                           l0, l1, l2, l3, 2 * FFN, CEIL_RULE)
+                           l0, l1, l2, l3, 2 * FFN, FC1_ROW_BYTES, CEIL_RULE)
 
 
 def swiglu_quantized(fc1_out: torch.Tensor, probs: torch.Tensor, offset: float, out_dtype: torch.dtype,
@@ -162,9 +166,9 @@ def swiglu_quantized(fc1_out: torch.Tensor, probs: torch.Tensor, offset: float, 
     if mxfp4_rule is not None:
         check_scale_rule(mxfp4_rule)
     num_rows, ffn = fc1_out.shape[0], fc1_out.shape[1] // 2
-    if probs.shape != (num_rows,) or probs.device != fc1_out.device:
-        raise ValueError(f"swiglu_quantized: probs {tuple(probs.shape)} on {probs.device} do not match fc1_out "
-                         f"{tuple(fc1_out.shape)} on {fc1_out.device}")
+    if probs.shape != (num_rows,) or probs.device != fc1_out.device or not probs.is_floating_point():
+        raise ValueError(f"swiglu_quantized: probs ({probs.dtype} {tuple(probs.shape)} on {probs.device}) must be "
+                         f"floats [T] on fc1_out's device; fc1_out is {tuple(fc1_out.shape)} on {fc1_out.device}")
     device = fc1_out.device
     fp8_rows = FP8BlockTensor(torch.empty(num_rows, ffn, dtype=torch.float8_e4m3fn, device=device),
                               torch.empty(ffn // FP8_BLOCK, num_rows, dtype=torch.float32, device=device), ROWWISE)
@@ -177,12 +181,13 @@ def swiglu_quantized(fc1_out: torch.Tensor, probs: torch.Tensor, offset: float, 
         block_rows = INTERPRETER_BLOCK_ROWS if interpreter_enabled() and not fc1_out.is_cuda else GPU_BLOCK_ROWS
         unused = fp8_rows.data  # a placeholder for the outputs not asked for: the kernel never touches it
         _swiglu_quantized_kernel[(triton.cdiv(num_rows, block_rows), ffn // FP8_BLOCK)](
-            quad_ready(fc1_out.contiguous()), probs.contiguous(), fp8_rows.data.view(torch.int32),
+            quad_ready(fc1_out), probs.contiguous(), fp8_rows.data.view(torch.int32),
             fp8_rows.block_scales, unused if values is None else values,
             unused if fc2_in_mxfp4 is None else fc2_in_mxfp4.rows,
             unused if fc1_out_mxfp4 is None else fc1_out_mxfp4.rows, num_rows, float(offset),
             FFN=ffn, KIND=float_kind(fc1_out.dtype), OUT_KIND=float_kind(out_dtype), KEEP_VALUES=keep_values,
-            MXFP4=mxfp4_rule is not None, CEIL_RULE=mxfp4_rule != "floor", BLOCK_ROWS=block_rows, num_warps=4)
+            MXFP4=mxfp4_rule is not None, CEIL_RULE=mxfp4_rule != "floor", FC2_ROW_BYTES=mxfp4_wire_bytes_per_row(ffn),
+            FC1_ROW_BYTES=mxfp4_wire_bytes_per_row(2 * ffn), BLOCK_ROWS=block_rows, num_warps=4)
     return SwiGLUOutputs(fp8_rows, values, fc2_in_mxfp4, fc1_out_mxfp4)
 
 
@@ -195,7 +200,8 @@ def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
                  "offset": "fp32"}
     return [KernelSpec(name, _swiglu_quantized_kernel, signature,
                        {"FFN": ffn, "KIND": 0, "OUT_KIND": 0, "KEEP_VALUES": keep_values, "MXFP4": mxfp4,
-                        "CEIL_RULE": variant.ceil_rule, "BLOCK_ROWS": GPU_BLOCK_ROWS},
+                        "CEIL_RULE": variant.ceil_rule, "FC2_ROW_BYTES": mxfp4_wire_bytes_per_row(ffn),
+                        "FC1_ROW_BYTES": mxfp4_wire_bytes_per_row(2 * ffn), "BLOCK_ROWS": GPU_BLOCK_ROWS},
                        4, GPU_BLOCK_ROWS * FP8_BLOCK)
             for name, keep_values, mxfp4 in (("swiglu_quantized_mxfp4", False, True),
                                              ("swiglu_quantized_values", True, False))]

@@ -23,8 +23,8 @@ def launch_config(config: Optional[TileConfig], device: torch.device, on_gpu: Ti
                   interpreted: TileConfig) -> TileConfig:
     """The tile config of a launch: the caller's; else `on_gpu` (the fastest measured) on a GPU, and
     `interpreted` under Triton's CPU interpreter, whose cost is per program and per pass rather than
-    per element (a one-pass candidate with the fewest programs). tests/ops runs every candidate under
-    the interpreter, so CI still checks the GPU's config bit for bit."""
+    per element (one pass, few programs; not necessarily a GPU candidate). tests/ops runs every
+    candidate and the interpreter's config under the interpreter, so CI checks the GPU's bit for bit."""
     if config is not None:
         return config
     return on_gpu if device.type == "cuda" else interpreted

@@ -28,8 +28,9 @@ CONFIGS = (
     TileConfig(block_rows=32, block_cols=4, num_warps=8),
 )
 DEFAULT_CONFIG = CONFIGS[0]
-# Under the interpreter a program costs the same whatever its size: 128 rows x 1024 columns a
-# program (a quarter of the programs of the largest candidate; 4x faster at 512 x 512).
+# Under the interpreter a program costs about the same whatever its size: 128 rows x 1024 columns a
+# program (a quarter of the largest candidate's programs up to 512 columns, an eighth beyond; 4x
+# faster at 512 x 512).
 INTERPRETER_CONFIG = TileConfig(block_rows=128, block_cols=8, num_warps=8)
 
 

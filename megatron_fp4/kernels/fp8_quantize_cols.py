@@ -42,7 +42,7 @@ CONFIGS = (
 )
 DEFAULT_CONFIG = CONFIGS[0]
 # Under the interpreter a program costs about the same whatever its size: one pass over 128 tokens x
-# 512 columns (the widest candidate's 8 times over; 5x faster at 512 x 512).
+# 512 columns (8 times the one-pass candidate's columns; 5x faster at 512 x 512).
 INTERPRETER_CONFIG = TileConfig(block_rows=FP8_BLOCK, block_cols=128, num_warps=8)
 
 

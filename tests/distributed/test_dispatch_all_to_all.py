@@ -112,4 +112,10 @@ def test_refuses_bad_arguments():
         fp4_dispatch_all_to_all(x, [4], [4], scale_rule="nearest")
     with pytest.raises(ValueError, match="float16"):
         fp4_dispatch_all_to_all(x.half(), [4], [4])
+    from megatron_fp4.tensors import MXFP4Tensor
+
+    for rows, rule in ((MXFP4Tensor.empty(3, 256, x.device), "ceil"), (MXFP4Tensor.empty(4, 256, x.device, "floor"),
+                                                                       "ceil")):
+        with pytest.raises(ValueError, match="quantized rows"):  # rows quantized before the permute must match
+            fp4_dispatch_all_to_all(x, [4], [4], scale_rule=rule, quantized=rows)
 

@@ -59,7 +59,8 @@ def _forward_inputs(device, tokens, ffn, seed, dtype=torch.bfloat16):
     return fc1_out.to(dtype).to(device), probs.to(device)
 
 
-@pytest.mark.parametrize("tokens, ffn, offset, rule", [(37, 256, 0.0, "ceil"), (9, 384, 1.0, "floor"), (0, 128, 0.0, "ceil")])
+@pytest.mark.parametrize("tokens, ffn, offset, rule", [(37, 256, 0.0, "ceil"), (9, 384, 1.0, "floor"), (70, 128, 0.0, "ceil"),
+                                                      (0, 128, 0.0, "ceil")])
 def test_swiglu_forward_writes_what_the_quantizers_write_of_its_values(device, tokens, ffn, offset, rule):
     """One pass writes fc2_in's FP8 rows and the MXFP4 rows of fc2_in and fc1_out: the bytes the row
     and MXFP4 quantizers give on the kernel's own values, which are the definition's (eager fp32) up
