@@ -19,6 +19,7 @@ random and far larger than L2. Rows: bench=grouped_gemm, metric=tflops, one per 
 """
 
 import argparse
+import dataclasses
 import time
 from typing import Callable, Dict, List
 
@@ -30,7 +31,7 @@ from triton.runtime.errors import OutOfResources
 from megatron_fp4 import kernels as K
 from megatron_fp4.formats import FP8_BLOCK
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES
+from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS
 from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
 
@@ -44,7 +45,8 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 
 # The runners-up of earlier sweeps. (Triton 3.6's warp specialization of the wgrad loop, tried at
 # a532c18, ran at 0.32-0.73 of the default and gave other bits with two row halves.)
-ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)])
+ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
+    dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
 WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)])
 
 

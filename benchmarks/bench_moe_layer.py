@@ -175,6 +175,7 @@ FP4_FP8 = "FP4 dispatch + FP8 experts"
 FP8_BASELINE_PER_EXPERT = "FP8 baseline, per-expert scaled_mm"
 FP4_FP8_PER_EXPERT = "FP4 dispatch + FP8 experts, per-expert scaled_mm"
 FP4_FP8_WEIGHTS_PER_USE = "FP4 dispatch + FP8 experts, weights quantized per use"
+FP4_FP8_WARP_SPECIALIZED = "FP4 dispatch + FP8 experts, warp-specialized fprop/dgrad GEMMs"
 # The FP8 baseline with the FP4 layers' permute (dispatch/permute.py): what FP4 dispatch adds or saves
 # apart from the permute.
 FP8_BASELINE_LEAN_PERMUTE = "FP8 baseline behind megatron_fp4's permute"
@@ -202,7 +203,11 @@ def experts_layers(args, config, stock, fp4) -> dict:
         for name, options, gemms in ((FP8_BASELINE_PER_EXPERT, FP4Options(experts="fp8"), ExpertGemms.PER_EXPERT),
                                      (FP4_FP8_PER_EXPERT, FP4Options(dispatch=True, dispatch_grad=args.grad,
                                                                      experts="fp8"), ExpertGemms.PER_EXPERT),
-                                     (FP4_FP8_WEIGHTS_PER_USE, per_use, ExpertGemms.GROUPED)):
+                                     (FP4_FP8_WEIGHTS_PER_USE, per_use, ExpertGemms.GROUPED),
+                                     *_cuda_only(FP4_FP8_WARP_SPECIALIZED, FP4Options(dispatch=True,
+                                                                                      dispatch_grad=args.grad,
+                                                                                      experts="fp8"),
+                                                 ExpertGemms.GROUPED_WARP_SPECIALIZED)):
             layer = build_moe_layer(config, options).cuda()
             layer.load_state_dict(stock.state_dict())
             layer.experts.gemms = gemms
@@ -211,6 +216,15 @@ def experts_layers(args, config, stock, fp4) -> dict:
                                                                config)
         layers[FP8_BASELINE_LEAN_PERMUTE].load_state_dict(stock.state_dict())
     return layers
+
+
+def _cuda_only(name, options, gemms):
+    """[(name, options, gemms)] on a GPU; on the CPU (the interpreter runs the Triton kernels) the
+    Gluon kernel cannot run: said, and left out."""
+    if torch.cuda.is_available():
+        return [(name, options, gemms)]
+    print(f"{name}: not run (a Gluon kernel, which has no CPU interpreter)")
+    return []
 
 
 def _with_lean_permute(layer, config):

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from .. import kernels as K
+from ..kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..telemetry import Telemetry
 from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
@@ -39,6 +40,9 @@ class ExpertGemms(Enum):
     """How the experts' FP8 GEMMs run (both compute the same block-scaled products)."""
 
     GROUPED = "grouped"  # one Triton launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py)
+    # GROUPED with the forward and data-gradient GEMMs on the warp-specialized Gluon kernel
+    # (kernels/grouped_fp8_gemm_ws.py; CUDA only, the same bits)
+    GROUPED_WARP_SPECIALIZED = "grouped_warp_specialized"
     PER_EXPERT = "per_expert"  # one cuBLASLt scaled_mm per expert with tokens, from Python (gemm.py)
 
 
@@ -74,7 +78,7 @@ def weight_gradients(params, grad_cols, input_cols, dtype, call: ExpertsCall) ->
 
 
 def _wgrad(call: ExpertsCall, grad_cols, input_cols, dtype, accumulate_into):
-    if call.gemms is ExpertGemms.GROUPED:
+    if call.gemms is not ExpertGemms.PER_EXPERT:
         return K.grouped_wgrad(grad_cols, input_cols, dtype, accumulate_into=accumulate_into)
     return per_expert_wgrad(call.segments, grad_cols, input_cols, dtype, accumulate_into)
 
@@ -195,9 +199,10 @@ def _fp8_weights(call: ExpertsCall, name: str, weights, transpose: bool) -> FP8S
 
 def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:
     """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks)."""
-    if call.gemms is ExpertGemms.GROUPED:
-        return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype)
-    return per_expert_products(call.segments, rows, weights, dtype)
+    if call.gemms is ExpertGemms.PER_EXPERT:
+        return per_expert_products(call.segments, rows, weights, dtype)
+    tiles = WARP_SPECIALIZED_ROWS if call.gemms is ExpertGemms.GROUPED_WARP_SPECIALIZED else DEFAULT_ROWS_TILES
+    return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype, tiles=tiles)
 
 
 def _linear_backward(call: ExpertsCall, name: str, grad: torch.Tensor, input_cols, weights, wgrads):

@@ -33,6 +33,8 @@ from ._addresses import address_table
 from ._bits import store_rounded
 from ._checks import check_kernel_device
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
+from ._tile_order import swizzled
+from . import grouped_fp8_gemm_ws
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class GemmTiles:
     # of per-thread pointer loads: the copies cost no registers or instructions of the program's
     # threads, and rows past the end of A read as zeros.
     tma: bool = False
+    # fprop / dgrad only, CUDA only: the Gluon kernel of grouped_fp8_gemm_ws (a producer warp
+    # loading through TMA, two consumer warpgroups on the two 64-row halves), the same bits. Its
+    # tiles are fixed (WARP_SPECIALIZED_ROWS below) but for num_stages and group_m.
+    warp_specialized: bool = False
 
 
 # The fastest of benchmarks/bench_grouped_gemm.py's sweeps on H200 at DeepSeek-V3's expert shapes,
@@ -66,6 +72,9 @@ class GemmTiles:
 # four stages (the previous default), 552-596 with TMA and two stages, 349-454 with TMA and five.
 DEFAULT_ROWS_TILES = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=3, row_halves=2)
 DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True)
+# Five stages of 32 KB: one program per SM (its three partitions share it).
+WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=5, row_halves=2, tma=True,
+                                  warp_specialized=True)
 
 
 @triton.jit
@@ -83,16 +92,6 @@ def _tile_of_expert(offsets_ptr, num_experts, tile, EXPERTS_POW2: tl.constexpr, 
     first_row = tl.sum(tl.where(mine, starts + (tile - (tile_ends - tiles)) * BLOCK_M, 0), axis=0)
     end_row = tl.sum(tl.where(mine, ends, 0), axis=0)
     return expert, first_row, end_row
-
-
-@triton.jit
-def _swizzled(pid, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of program pid, GROUP_M row tiles side by side so that the weight
-    tiles they share are read while still in L2."""
-    per_group = GROUP_M * num_tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_tiles_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
 
 
 @triton.jit
@@ -150,7 +149,7 @@ def _grouped_gemm_rows_kernel(
 ):
     SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
     num_tiles_n: tl.constexpr = N // BLOCK_N
-    tile_m, tile_n = _swizzled(tl.program_id(0), num_tiles_m, num_tiles_n, GROUP_M)
+    tile_m, tile_n = swizzled(tl.program_id(0), num_tiles_m, num_tiles_n, GROUP_M)
     expert, first_row, end_row = _tile_of_expert(offsets_ptr, num_experts, tile_m, EXPERTS_POW2, BLOCK_M)
     if expert < num_experts:
         rows = first_row + tl.arange(0, SUB_M)
@@ -221,7 +220,7 @@ def _grouped_wgrad_kernel(
     SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
     tiles_per_expert: tl.constexpr = (N // BLOCK_M) * (K // BLOCK_N)
     expert = tl.program_id(0) // tiles_per_expert
-    tile_m, tile_n = _swizzled(tl.program_id(0) % tiles_per_expert, N // BLOCK_M, K // BLOCK_N, GROUP_M)
+    tile_m, tile_n = swizzled(tl.program_id(0) % tiles_per_expert, N // BLOCK_M, K // BLOCK_N, GROUP_M)
     # Segments start at multiples of 128 columns: said to the compiler, for 16-byte async copies
     # (pointer loads; TMA copies whole tiles anyway).
     first_col = tl.multiple_of(tl.load(offsets_ptr + expert), BLOCK_K)
@@ -277,6 +276,11 @@ def _store_wgrad(c_ptr, expert, rows, cols, acc, N: tl.constexpr, K: tl.constexp
 def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
     if tiles.block_n != FP8_BLOCK or tiles.row_halves not in (1, 2):
         raise ValueError(f"{name}: block_n must be {FP8_BLOCK} (one weight block) and row_halves 1 or 2, got {tiles}")
+    fixed = dict(block_m=WARP_SPECIALIZED_ROWS.block_m, num_warps=WARP_SPECIALIZED_ROWS.num_warps, row_halves=2,
+                 tma=True)
+    if tiles.warp_specialized and any(getattr(tiles, key) != value for key, value in fixed.items()):
+        raise ValueError(f"{name}: the warp-specialized kernel takes {fixed} (only num_stages and group_m vary), "
+                         f"got {tiles}")
     if n % FP8_BLOCK or k % FP8_BLOCK:
         raise ValueError(f"{name}: N {n} and K {k} must be multiples of {FP8_BLOCK}")
 
@@ -297,10 +301,21 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
     _check_offsets(name, row_offsets, num_experts, rows.data.device)
     _check_tiles(name, tiles, n, k)
+    if tiles.warp_specialized and not rows.data.is_cuda:
+        raise RuntimeError(f"{name}: the warp-specialized kernel is Gluon, which Triton's interpreter cannot run; "
+                           "pass tiles without warp_specialized on the CPU")
     out = torch.empty(num_rows, n, dtype=out_dtype, device=rows.data.device)
     if num_rows == 0:
         return out
     num_tiles_m = triton.cdiv(num_rows, tiles.block_m) + num_experts
+    if tiles.warp_specialized:
+        _check_operand(name, rows.data, True)  # the kernel builds Gluon's own descriptors
+        _check_operand(name, weights.data, True)
+        grouped_fp8_gemm_ws.launch_rows(
+            rows.data, rows.block_scales, weights.data.view(num_experts * n, k), weights.block_scales, row_offsets,
+            _stored(out), num_tiles_m, n // tiles.block_n, n, k, triton.next_power_of_2(num_experts), tiles.group_m,
+            tiles.num_stages, out_dtype == torch.bfloat16)
+        return out
     sub_m = tiles.block_m // tiles.row_halves
     _grouped_gemm_rows_kernel[(num_tiles_m * (n // tiles.block_n),)](
         _operand(name, rows.data, (sub_m, FP8_BLOCK), tiles.tma), rows.block_scales,
@@ -359,17 +374,20 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
 
 def _operand(name: str, data: torch.Tensor, block, tma: bool):
     """An FP8 operand as its kernel reads it: the tensor (pointer loads), or with TMA a tensor
-    descriptor of `block` tiles. Both read it as a contiguous matrix (its row stride is its width);
-    TMA also needs a 16-byte aligned address."""
+    descriptor of `block` tiles."""
+    _check_operand(name, data, tma)
+    return TensorDescriptor.from_tensor(data, list(block)) if tma else data
+
+
+def _check_operand(name: str, data: torch.Tensor, tma: bool) -> None:
+    """Every kernel reads an FP8 operand as a contiguous matrix (its row stride is its width); TMA
+    also needs a 16-byte aligned address."""
     if not data.is_contiguous():
         raise ValueError(f"{name}: the FP8 operands must be contiguous, got shape {tuple(data.shape)} with strides "
                          f"{data.stride()}")
-    if not tma:
-        return data
-    if data.data_ptr() % 16:
+    if tma and data.data_ptr() % 16:
         raise ValueError(f"{name}: TMA tiles need FP8 operands at 16-byte aligned addresses, got one at "
                          f"{data.data_ptr():#x}; pass tiles with tma=False")
-    return TensorDescriptor.from_tensor(data, list(block))
 
 
 def _stored(out: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,15 @@ inside a block (eps_gpu below, measured and printed). Rounding to BF16 (to neare
 2 eps D + 2^-8 (|y1| + |y2|) of each other; against the float64 oracle, eps D + 2^-8 |y|.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
 from megatron_fp4.kernels import GemmTiles
+from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS
 from megatron_fp4.tensors import COLWISE, FP8BlockTensor
 
 COUNTS = [130, 0, 3, 1, 70, 0, 256]  # > a tile, empty, not a multiple of 4, one token, ..., two full tiles
@@ -229,3 +232,38 @@ def test_grouped_gemm_matches_per_expert_scaled_mm(experts, k, n):
         start += count
     print(f"worst accumulation difference against scaled_mm: {worst_eps:.2e} of D (bound {EPS_GPU:.2e})")
     assert worst_eps <= EPS_GPU
+
+
+def test_warp_specialized_tiles_are_refused_on_the_cpu_and_when_changed():
+    """The Gluon kernel has no interpreter, and only its stages and L2 group may change."""
+    rows = _rows_operand(8, 256, "cpu", seed=20)
+    weights = _weights(2, 128, 256, "cpu", seed=21)
+    offsets = _offsets([5, 3], "cpu")
+    with pytest.raises(RuntimeError, match="interpreter cannot run"):
+        K.grouped_gemm_by_weight(rows, weights, offsets, tiles=WARP_SPECIALIZED_ROWS)
+    for changed in (dict(block_m=64, row_halves=1), dict(num_warps=8), dict(tma=False)):
+        with pytest.raises(ValueError, match="warp-specialized kernel takes"):
+            K.grouped_gemm_by_weight(rows, weights, offsets, tiles=dataclasses.replace(WARP_SPECIALIZED_ROWS, **changed))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("experts,k,n", [(8, 7168, 4096), (8, 2048, 7168), (3, 384, 256)], ids=["fc1", "fc2", "small"])
+def test_warp_specialized_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype):
+    """The Gluon kernel sums the same products in the same order as the Triton kernel: equal bits,
+    on ragged segments with empty and one-token experts, a NaN row and an all-zero row, at every
+    stage count the sweep tries."""
+    counts = [700, 0, 1, 3, 129, 2048, 64, 1000][:experts] if experts == 8 else [1, 0, 260]
+    x = torch.randn(sum(counts), k) * torch.exp2(torch.randint(-10, 10, (sum(counts), k)).float())
+    x[5] = float("nan")
+    x[6] = 0.0
+    rows = K.quantize_fp8_rows(x.bfloat16().cuda())
+    weights = _weights(experts, n, k, "cuda", seed=23)
+    offsets = _offsets(counts, "cuda")
+    expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=DEFAULT_ROWS_TILES)
+    for stages in (3, 4, 5, 6):
+        ours = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype,
+                                        tiles=dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages))
+        bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(ours.view(bits), expected.view(bits)), f"{stages} stages"
+    assert torch.isnan(expected[5]).all() and not torch.isnan(expected[7:]).any()

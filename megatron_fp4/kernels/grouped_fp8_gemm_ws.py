@@ -1,0 +1,194 @@
+"""The forward / data-gradient grouped FP8 GEMM as a warp-specialized Gluon kernel (Hopper only).
+
+The same sums as `grouped_fp8_gemm._grouped_gemm_rows_kernel` with two row halves, in the same order,
+so the same bits: every 128-wide K step's tensor-core product times its row scale times its weight
+block's scale, added to an fp32 accumulator. What differs is who does what:
+
+- one producer warp issues the TMA copies of each K step's two 64-row A tiles and its 128 x 128
+  weight tile into a ring of shared-memory stages, and waits for a stage to be released before
+  refilling it;
+- two consumer warpgroups each own one 64-row half: wait for a stage, start the product, wait for
+  it, release the stage, and scale it into their accumulator.
+
+The consumers synchronise only through the stage barriers, so one scales its product while the
+other's is on the tensor cores. (Overlapping the scaling with the same warpgroup's next product is
+not possible: ptxas serialises every wgmma of a kernel that reads a product while a later one is in
+flight, "C7514".) Gluon has no interpreter: CPU runs compile it for sm_90 (sm90_build) and the GPU
+tests compare its bits with the Triton kernel's.
+"""
+
+from typing import List
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..formats import FP8_BLOCK
+from ..tensors import padded_scale_columns
+from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
+from ._bits import store_rounded
+from ._tile_order import swizzled
+
+# Registers per thread of the worker partitions: the second consumer warpgroup holds a 64 x 128
+# fp32 accumulator and a product (128 registers) plus addresses; the producer warp only addresses.
+CONSUMER_REGISTERS = gl.constexpr(232)
+PRODUCER_REGISTERS = gl.constexpr(40)
+HALF_ROWS = 64  # a warpgroup's product is 64 rows
+
+
+@gluon.jit
+def _sum(a, b):
+    return a + b
+
+
+@gluon.jit
+def _tile_of_expert(offsets_ptr, num_experts, tile, EXPERTS_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """grouped_fp8_gemm._tile_of_expert in Gluon (which cannot call a @triton.jit function that
+    makes a tensor without a layout): (expert, first row, end row of the expert) of row tile `tile`,
+    expert == num_experts past the last tile."""
+    experts_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    expert_ids = gl.arange(0, EXPERTS_POW2, layout=experts_layout)
+    in_range = expert_ids < num_experts
+    starts = gl.load(offsets_ptr + expert_ids, mask=in_range, other=0)
+    ends = gl.load(offsets_ptr + expert_ids + 1, mask=in_range, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = gl.associative_scan(tiles, 0, _sum)
+    expert = gl.sum(((tile_ends <= tile) & in_range).to(gl.int32), axis=0)
+    mine = expert_ids == expert
+    first_row = gl.sum(gl.where(mine, starts + (tile - (tile_ends - tiles)) * BLOCK_M, 0), axis=0)
+    end_row = gl.sum(gl.where(mine, ends, 0), axis=0)
+    return expert, first_row, end_row
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, released, first_row, b_row, NUM_K: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Fill stage k % STAGES with K step k's tiles once both consumers have released it."""
+    HALF: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    for k_block in range(NUM_K):
+        stage = k_block % STAGES
+        # Parity of the stage's previous release; the first pass through the ring waits for none.
+        mbarrier.wait(released.index(stage), ((k_block // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        k0 = k_block * BLOCK_K
+        tma.async_copy_global_to_shared(a_desc, [first_row, k0], bar, a_bufs.index(2 * stage))
+        tma.async_copy_global_to_shared(a_desc, [first_row + HALF, k0], bar, a_bufs.index(2 * stage + 1))
+        tma.async_copy_global_to_shared(b_desc, [b_row, k0], bar, b_bufs.index(stage))
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, released, a_scales_ptr, b_scale_ptr, c_ptr, num_rows, first_row, end_row, tile_n,
+              HALF_INDEX: gl.constexpr, HALF: gl.constexpr, N: gl.constexpr, NUM_K: gl.constexpr,
+              STAGES: gl.constexpr, OUT_BF16: gl.constexpr):
+    """One warpgroup's 64-row half of the output tile: the promoted sum over K, then its store."""
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    products: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    per_row: gl.constexpr = gl.SliceLayout(1, products)
+    rows = first_row + HALF_INDEX * HALF + gl.arange(0, HALF, layout=per_row)
+    # Rows past the expert's end are computed and not stored (as in the Triton kernel); past M
+    # the scales are read from the last row and TMA reads zeros.
+    a_scale_ptrs = a_scales_ptr + gl.minimum(rows, num_rows - 1).to(gl.int64)
+    acc = gl.zeros([HALF, BLOCK_N], gl.float32, products)
+    scale = gl.load(a_scale_ptrs) * gl.load(b_scale_ptr)
+    for k_block in range(NUM_K):
+        stage = k_block % STAGES
+        mbarrier.wait(ready.index(stage), (k_block // STAGES) & 1)
+        product = warpgroup_mma(a_bufs.index(2 * stage + HALF_INDEX), b_bufs.index(stage).permute((1, 0)),
+                                gl.zeros([HALF, BLOCK_N], gl.float32, products), use_acc=False, is_async=True)
+        # The next step's scales load while the tensor cores run.
+        next_k = gl.minimum(k_block + 1, NUM_K - 1)
+        next_scale = gl.load(a_scale_ptrs + next_k * num_rows) * gl.load(b_scale_ptr + next_k)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+        mbarrier.arrive(released.index(stage), count=1)
+        acc = acc + product * scale[:, None]
+        scale = next_scale
+    cols = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, products))
+    out = c_ptr + rows[:, None].to(gl.int64) * N + cols[None, :]
+    store_rounded(out, acc, (rows < end_row)[:, None], OUT_BF16)
+
+
+@gluon.jit
+def _grouped_gemm_rows_ws_kernel(
+    a_desc,  # fp8 [M, K]: descriptor of 64 x 128 tiles
+    a_scales_ptr,  # fp32 [K / 128, M]
+    b_desc,  # fp8 [E * N, K] (the experts' [N, K] stacked): descriptor of 128 x 128 tiles
+    b_scales_ptr,  # fp32 [E, N / 128, B_SCALE_STRIDE]
+    offsets_ptr,  # int64 [E + 1]
+    c_ptr,  # [M, N] of the output dtype (BF16 as int16: store_rounded)
+    num_rows,
+    num_experts,
+    num_tiles_m,  # an upper bound: ceil(M / 128) + E
+    N: gl.constexpr,
+    K: gl.constexpr,
+    B_SCALE_STRIDE: gl.constexpr,
+    EXPERTS_POW2: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    OUT_BF16: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    HALF: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    NUM_K: gl.constexpr = K // BLOCK_K
+    tile_m, tile_n = swizzled(gl.program_id(0), num_tiles_m, N // BLOCK_N, GROUP_M)
+    expert, first_row, end_row = _tile_of_expert(offsets_ptr, num_experts, tile_m, EXPERTS_POW2, 2 * HALF, num_warps)
+    if expert < num_experts:
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        released = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+            mbarrier.init(released.index(stage), count=2)
+        b_scale_ptr = b_scales_ptr + (expert.to(gl.int64) * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, released, a_scales_ptr, b_scale_ptr, c_ptr, num_rows, first_row,
+                         end_row, tile_n, 0, HALF, N, NUM_K, STAGES, OUT_BF16)),
+            (_consumer, (a_bufs, b_bufs, ready, released, a_scales_ptr, b_scale_ptr, c_ptr, num_rows, first_row,
+                         end_row, tile_n, 1, HALF, N, NUM_K, STAGES, OUT_BF16)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, released, first_row.to(gl.int32),
+                         (expert * N + tile_n * BLOCK_N).to(gl.int32), NUM_K, STAGES)),
+        ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+
+
+def operand_layouts():
+    """The shared-memory layouts of the A (64 x 128) and B (128 x 128) FP8 tiles."""
+    return (gl.NVMMASharedLayout.get_default_for([HALF_ROWS, FP8_BLOCK], gl.float8e4nv),
+            gl.NVMMASharedLayout.get_default_for([FP8_BLOCK, FP8_BLOCK], gl.float8e4nv))
+
+
+def launch_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                offsets: torch.Tensor, out_bits: torch.Tensor, num_tiles_m: int, num_tiles_n: int, n: int, k: int,
+                experts_pow2: int, group_m: int, stages: int, out_bf16: bool) -> None:
+    """Launch over checked operands (grouped_fp8_gemm.grouped_gemm_by_weight checks them): a fp8
+    [M, K] and b fp8 [E * N, K], contiguous and 16-byte aligned."""
+    a_layout, b_layout = operand_layouts()
+    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [HALF_ROWS, FP8_BLOCK], a_layout)
+    b_desc = TensorDescriptor(b, list(b.shape), list(b.stride()), [FP8_BLOCK, FP8_BLOCK], b_layout)
+    _grouped_gemm_rows_ws_kernel[(num_tiles_m * num_tiles_n,)](
+        a_desc, a_scales, b_desc, b_scales, offsets, out_bits, a.shape[0], offsets.numel() - 1, num_tiles_m,
+        N=n, K=k, B_SCALE_STRIDE=b_scales.shape[2], EXPERTS_POW2=experts_pow2, GROUP_M=group_m, STAGES=stages,
+        OUT_BF16=out_bf16, num_warps=4,
+    )
+
+
+def sm90_specs(variant: BuildVariant) -> List[KernelSpec]:
+    """The kernel for fc1's shape at the variant's hidden size (N = 4096, K = hidden), as sm90_build
+    compiles it."""
+    a_layout, b_layout = operand_layouts()
+    n, k = 2 * 2048, variant.hidden
+    return [KernelSpec(
+        "grouped_gemm_by_weight_ws", _grouped_gemm_rows_ws_kernel,
+        {"a_desc": f"tensordesc<fp8e4nv[{HALF_ROWS}, {FP8_BLOCK}],{a_layout!r}>", "a_scales_ptr": "*fp32",
+         "b_desc": f"tensordesc<fp8e4nv[{FP8_BLOCK}, {FP8_BLOCK}],{b_layout!r}>", "b_scales_ptr": "*fp32",
+         "offsets_ptr": "*i64", "c_ptr": "*i16", "num_rows": "i32", "num_experts": "i32", "num_tiles_m": "i32"},
+        {"N": n, "K": k, "B_SCALE_STRIDE": padded_scale_columns(k), "EXPERTS_POW2": EXPERTS_POW2, "GROUP_M": 8,
+         "STAGES": 5, "OUT_BF16": True, "num_warps": 4},
+        4, 2 * HALF_ROWS * FP8_BLOCK, 5)]
