@@ -64,53 +64,84 @@ def _tile_of_expert(offsets_ptr, num_experts, tile, EXPERTS_POW2: gl.constexpr, 
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, released, first_row, b_row, NUM_K: gl.constexpr,
-              STAGES: gl.constexpr):
-    """Fill stage k % STAGES with K step k's tiles once both consumers have released it."""
-    HALF: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    for k_block in range(NUM_K):
-        stage = k_block % STAGES
-        # Parity of the stage's previous release; the first pass through the ring waits for none.
-        mbarrier.wait(released.index(stage), ((k_block // STAGES) & 1) ^ 1)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        k0 = k_block * BLOCK_K
-        tma.async_copy_global_to_shared(a_desc, [first_row, k0], bar, a_bufs.index(2 * stage))
-        tma.async_copy_global_to_shared(a_desc, [first_row + HALF, k0], bar, a_bufs.index(2 * stage + 1))
-        tma.async_copy_global_to_shared(b_desc, [b_row, k0], bar, b_bufs.index(stage))
+def _tile(tile, offsets_ptr, num_experts, num_tiles_m, N: gl.constexpr, EXPERTS_POW2: gl.constexpr,
+          GROUP_M: gl.constexpr, WARPS: gl.constexpr):
+    """(expert, first row, end row, column tile) of output tile `tile` in the Triton kernel's order;
+    expert == num_experts for a spare tile. Every partition derives it itself (WARPS: its warps)."""
+    tile_m, tile_n = swizzled(tile, num_tiles_m, N // 128, GROUP_M)
+    expert, first_row, end_row = _tile_of_expert(offsets_ptr, num_experts, tile_m, EXPERTS_POW2, 128, WARPS)
+    return expert, first_row, end_row, tile_n
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, released, a_scales_ptr, b_scale_ptr, c_ptr, num_rows, first_row, end_row, tile_n,
-              HALF_INDEX: gl.constexpr, HALF: gl.constexpr, N: gl.constexpr, NUM_K: gl.constexpr,
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, released, offsets_ptr, num_experts, num_tiles_m,
+              N: gl.constexpr, K: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr):
+    """For each of the program's tiles and K steps, in order: fill the next stage of the ring with
+    the step's two A tiles and its weight tile once both consumers have released it."""
+    HALF: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    step = 0  # K steps loaded so far, over all tiles: the ring position
+    for tile in range(gl.program_id(0), num_tiles_m * (N // 128), gl.num_programs(0)):
+        expert, first_row, end_row, tile_n = _tile(tile, offsets_ptr, num_experts, num_tiles_m, N, EXPERTS_POW2,
+                                                   GROUP_M, 1)
+        if expert < num_experts:
+            row = first_row.to(gl.int32)
+            b_row = (expert * N + tile_n * 128).to(gl.int32)
+            for k_block in range(K // BLOCK_K):
+                stage = step % STAGES
+                # Parity of the stage's previous release; the first pass through the ring waits for none.
+                mbarrier.wait(released.index(stage), ((step // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                k0 = k_block * BLOCK_K
+                tma.async_copy_global_to_shared(a_desc, [row, k0], bar, a_bufs.index(2 * stage))
+                tma.async_copy_global_to_shared(a_desc, [row + HALF, k0], bar, a_bufs.index(2 * stage + 1))
+                tma.async_copy_global_to_shared(b_desc, [b_row, k0], bar, b_bufs.index(stage))
+                step += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, released, a_scales_ptr, b_scales_ptr, offsets_ptr, c_ptr, num_rows,
+              num_experts, num_tiles_m, HALF_INDEX: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
+              B_SCALE_STRIDE: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, OUT_BF16: gl.constexpr):
-    """One warpgroup's 64-row half of the output tile: the promoted sum over K, then its store."""
+    """One warpgroup's 64-row half of each of the program's tiles: the promoted sum over K, then
+    its store (while the producer already loads the next tile)."""
+    HALF: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    NUM_K: gl.constexpr = K // BLOCK_N
     products: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     per_row: gl.constexpr = gl.SliceLayout(1, products)
-    rows = first_row + HALF_INDEX * HALF + gl.arange(0, HALF, layout=per_row)
-    # Rows past the expert's end are computed and not stored (as in the Triton kernel); past M
-    # the scales are read from the last row and TMA reads zeros.
-    a_scale_ptrs = a_scales_ptr + gl.minimum(rows, num_rows - 1).to(gl.int64)
-    acc = gl.zeros([HALF, BLOCK_N], gl.float32, products)
-    scale = gl.load(a_scale_ptrs) * gl.load(b_scale_ptr)
-    for k_block in range(NUM_K):
-        stage = k_block % STAGES
-        mbarrier.wait(ready.index(stage), (k_block // STAGES) & 1)
-        product = warpgroup_mma(a_bufs.index(2 * stage + HALF_INDEX), b_bufs.index(stage).permute((1, 0)),
-                                gl.zeros([HALF, BLOCK_N], gl.float32, products), use_acc=False, is_async=True)
-        # The next step's scales load while the tensor cores run.
-        next_k = gl.minimum(k_block + 1, NUM_K - 1)
-        next_scale = gl.load(a_scale_ptrs + next_k * num_rows) * gl.load(b_scale_ptr + next_k)
-        product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-        mbarrier.arrive(released.index(stage), count=1)
-        acc = acc + product * scale[:, None]
-        scale = next_scale
-    cols = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, products))
-    out = c_ptr + rows[:, None].to(gl.int64) * N + cols[None, :]
-    store_rounded(out, acc, (rows < end_row)[:, None], OUT_BF16)
+    step = 0  # K steps consumed so far, over all tiles: the ring position
+    for tile in range(gl.program_id(0), num_tiles_m * (N // BLOCK_N), gl.num_programs(0)):
+        expert, first_row, end_row, tile_n = _tile(tile, offsets_ptr, num_experts, num_tiles_m, N, EXPERTS_POW2,
+                                                   GROUP_M, 4)
+        if expert < num_experts:
+            rows = first_row + HALF_INDEX * HALF + gl.arange(0, HALF, layout=per_row)
+            # Rows past the expert's end are computed and not stored (as in the Triton kernel);
+            # past M the scales are read from the last row and TMA reads zeros.
+            a_scale_ptrs = a_scales_ptr + gl.minimum(rows, num_rows - 1).to(gl.int64)
+            b_scale_ptr = b_scales_ptr + (expert.to(gl.int64) * (N // BLOCK_N) + tile_n) * B_SCALE_STRIDE
+            acc = gl.zeros([HALF, BLOCK_N], gl.float32, products)
+            scale = gl.load(a_scale_ptrs) * gl.load(b_scale_ptr)
+            for k_block in range(NUM_K):
+                stage = step % STAGES
+                mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+                product = warpgroup_mma(a_bufs.index(2 * stage + HALF_INDEX), b_bufs.index(stage).permute((1, 0)),
+                                        gl.zeros([HALF, BLOCK_N], gl.float32, products), use_acc=False, is_async=True)
+                # The next step's scales load while the tensor cores run.
+                next_k = gl.minimum(k_block + 1, NUM_K - 1)
+                next_scale = gl.load(a_scale_ptrs + next_k * num_rows) * gl.load(b_scale_ptr + next_k)
+                product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+                mbarrier.arrive(released.index(stage), count=1)
+                acc = acc + product * scale[:, None]
+                scale = next_scale
+                step += 1
+            cols = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, products))
+            out = c_ptr + rows[:, None].to(gl.int64) * N + cols[None, :]
+            store_rounded(out, acc, (rows < end_row)[:, None], OUT_BF16)
 
 
 @gluon.jit
@@ -133,29 +164,23 @@ def _grouped_gemm_rows_ws_kernel(
     OUT_BF16: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    HALF: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    NUM_K: gl.constexpr = K // BLOCK_K
-    tile_m, tile_n = swizzled(gl.program_id(0), num_tiles_m, N // BLOCK_N, GROUP_M)
-    expert, first_row, end_row = _tile_of_expert(offsets_ptr, num_experts, tile_m, EXPERTS_POW2, 2 * HALF, num_warps)
-    if expert < num_experts:
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        released = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for stage in gl.static_range(STAGES):
-            mbarrier.init(ready.index(stage), count=1)
-            mbarrier.init(released.index(stage), count=2)
-        b_scale_ptr = b_scales_ptr + (expert.to(gl.int64) * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
-        gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, released, a_scales_ptr, b_scale_ptr, c_ptr, num_rows, first_row,
-                         end_row, tile_n, 0, HALF, N, NUM_K, STAGES, OUT_BF16)),
-            (_consumer, (a_bufs, b_bufs, ready, released, a_scales_ptr, b_scale_ptr, c_ptr, num_rows, first_row,
-                         end_row, tile_n, 1, HALF, N, NUM_K, STAGES, OUT_BF16)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, released, first_row.to(gl.int32),
-                         (expert * N + tile_n * BLOCK_N).to(gl.int32), NUM_K, STAGES)),
-        ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+    """Persistent: program p takes tiles p, p + P, p + 2P, ... (P programs, one per SM), so that a
+    tile's store overlaps the next tile's loads and the ring's barriers are set up once."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    released = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(ready.index(stage), count=1)
+        mbarrier.init(released.index(stage), count=2)
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready, released, a_scales_ptr, b_scales_ptr, offsets_ptr, c_ptr, num_rows,
+                     num_experts, num_tiles_m, 0, N, K, B_SCALE_STRIDE, EXPERTS_POW2, GROUP_M, STAGES, OUT_BF16)),
+        (_consumer, (a_bufs, b_bufs, ready, released, a_scales_ptr, b_scales_ptr, offsets_ptr, c_ptr, num_rows,
+                     num_experts, num_tiles_m, 1, N, K, B_SCALE_STRIDE, EXPERTS_POW2, GROUP_M, STAGES, OUT_BF16)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, released, offsets_ptr, num_experts, num_tiles_m, N, K,
+                     EXPERTS_POW2, GROUP_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 def operand_layouts():
@@ -172,7 +197,8 @@ def launch_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scal
     a_layout, b_layout = operand_layouts()
     a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [HALF_ROWS, FP8_BLOCK], a_layout)
     b_desc = TensorDescriptor(b, list(b.shape), list(b.stride()), [FP8_BLOCK, FP8_BLOCK], b_layout)
-    _grouped_gemm_rows_ws_kernel[(num_tiles_m * num_tiles_n,)](
+    programs = min(num_tiles_m * num_tiles_n, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    _grouped_gemm_rows_ws_kernel[(programs,)](
         a_desc, a_scales, b_desc, b_scales, offsets, out_bits, a.shape[0], offsets.numel() - 1, num_tiles_m,
         N=n, K=k, B_SCALE_STRIDE=b_scales.shape[2], EXPERTS_POW2=experts_pow2, GROUP_M=group_m, STAGES=stages,
         OUT_BF16=out_bf16, num_warps=4,
