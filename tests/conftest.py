@@ -9,6 +9,9 @@ import torch
 if not torch.cuda.is_available():
     # Must be set before any @triton.jit function is defined, i.e. before megatron_fp4 is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from support import interpreter_speedup
+
+    interpreter_speedup.install()
 
 import pytest  # noqa: E402
 

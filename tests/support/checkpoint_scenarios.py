@@ -1,7 +1,7 @@
 """The model-level checkpoint scenarios (tests/distributed/test_checkpoints.py), run by both ranks:
 two gloo ranks on the CPU with torch.cuda emulated (tests/support/cuda_on_cpu.py), EP 2 (experts
 0-1 on rank 0, 2-3 on rank 1; the dense part data-parallel over both ranks). A tiny GPTModel (2 MoE
-layers, hidden 256, 4 experts top-2, alltoall, SwiGLU, no bias, local spec), Megatron's DDP and
+layers, hidden 128, 4 experts top-2, alltoall, SwiGLU, no bias, local spec), Megatron's DDP and
 distributed Adam (bf16 weights, fp32 main weights), saved and loaded with
 megatron.core.dist_checkpointing the way Megatron's training loop does it.
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 VOCAB, SEQ, BATCH = 512, 32, 2
 SAVE_AT, LAST = 2, 4  # optimizer steps before the save, and in all
 # Loss differences plugin <-> stock after the load, from the measurement in cross_load.
-FIRST_STEP_BOUND, LATER_STEP_BOUND = 4e-4, 2.7e-3
+FIRST_STEP_BOUND, LATER_STEP_BOUND = 1.8e-3, 1.8e-3
 
 def build_model(plugin: bool, seed: int):
     """The tiny GPTModel; `plugin`: the whole FP4 recipe. The one place that knows the plugin's API."""
@@ -33,8 +33,8 @@ def build_model(plugin: bool, seed: int):
     from megatron_fp4.integration import FP4Options, use_fp4
 
     config = TransformerConfig(
-        num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512, num_moe_experts=4,
-        moe_router_topk=2, moe_ffn_hidden_size=256, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2,
+        num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256, num_moe_experts=4,
+        moe_router_topk=2, moe_ffn_hidden_size=128, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         expert_model_parallel_size=2, expert_tensor_parallel_size=1, transformer_impl="local",
@@ -176,11 +176,11 @@ def _save_and_continue(saver_plugin: bool, loader_plugins, directory: str):
 
 def _cross_load_problems(continued, resumed, lost) -> list:
     difference = (continued - resumed).abs()
-    # Measured with the whole recipe (bounds about twice that): plugin -> stock 1.96e-4 then 7.4e-4,
-    # stock -> plugin 1.50e-4 then 1.32e-3 (losses ~6.38, 6.33; a step moves them by ~0.05). The
-    # first step after the load has the same weights on both sides: only the recipe's rounding (FP4
-    # dispatch, FP8 GEMMs, MXFP4-saved inputs) differs; after that the updates differ too. (FP4
-    # dispatch + FP8 experts alone measured 1.46e-4 / 1.56e-4 and 5.7e-5 / 2.86e-4.)
+    # Measured with the whole recipe at hidden 128 (bounds about twice the largest): plugin -> stock
+    # 8.8e-4 then 5.2e-5, stock -> plugin 1.0e-4 then 5.8e-4 (losses ~6.26, 6.28; a step moves them
+    # by ~0.01-0.05). The first step after the load has the same weights on both sides: only the
+    # recipe's rounding (FP4 dispatch, FP8 GEMMs, MXFP4-saved inputs) differs; after that the
+    # updates differ too. (At hidden 256: 1.96e-4 then 7.4e-4, and 1.50e-4 then 1.32e-3.)
     if not (difference[0] <= FIRST_STEP_BOUND and difference.max() <= LATER_STEP_BOUND):
         lost = lost + [f"losses after the load {resumed.tolist()} vs the saver's {continued.tolist()}"]
     return lost

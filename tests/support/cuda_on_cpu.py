@@ -93,6 +93,9 @@ def _cpu_move(move):
 
 
 def install() -> None:
+    from support import interpreter_speedup
+
+    interpreter_speedup.install()  # every emulated process runs the Triton kernels interpreted
     cuda = torch.cuda
     # One function object per patched name: torch.compile's tables refuse one object under two names.
     def nothing(*args, **kwargs):
