@@ -45,6 +45,8 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 
 # The runners-up of earlier sweeps. (Triton 3.6's warp specialization of the wgrad loop, tried at
 # a532c18, ran at 0.32-0.73 of the default and gave other bits with two row halves.)
+# The warp-specialized Gluon kernel (CUDA only) at three stage counts: 0.88x-1.02x of the default at
+# 2e84cd6 (docs/kernels.md).
 ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
     dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
 WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)])

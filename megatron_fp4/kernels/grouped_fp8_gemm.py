@@ -337,6 +337,8 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     With accumulate_into (one contiguous fp32 [N, K] per expert) the fp32 sums are added there
     instead, and nothing is returned."""
     name = "grouped_wgrad"
+    if tiles.warp_specialized:
+        raise ValueError(f"{name}: the warp-specialized kernel computes forward and data gradients only, got {tiles}")
     for operand in (grad_cols, input_cols):
         if not isinstance(operand, FP8BlockTensor) or operand.layout != COLWISE:
             raise TypeError(f"{name}: expected colwise FP8BlockTensors")

@@ -245,6 +245,8 @@ def test_warp_specialized_tiles_are_refused_when_changed_and_under_the_interpret
     if device.type == "cpu":
         with pytest.raises(RuntimeError, match="interpreter cannot run"):
             K.grouped_gemm_by_weight(rows, weights, offsets, tiles=WARP_SPECIALIZED_ROWS)
+    with pytest.raises(ValueError, match="forward and data gradients only"):
+        K.grouped_wgrad(None, None, tiles=WARP_SPECIALIZED_ROWS)
 
 
 @pytest.mark.gpu
