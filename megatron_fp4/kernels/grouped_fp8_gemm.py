@@ -33,7 +33,7 @@ from ._addresses import address_table
 from ._bits import store_rounded
 from ._checks import check_kernel_device
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
-from ._tile_order import swizzled
+from ._tile_order import swizzled, tile_of_expert
 from . import grouped_fp8_gemm_ws
 
 
@@ -75,23 +75,6 @@ DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages
 # Five stages of 32 KB: one program per SM (its three partitions share it).
 WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=5, row_halves=2, tma=True,
                                   warp_specialized=True)
-
-
-@triton.jit
-def _tile_of_expert(offsets_ptr, num_experts, tile, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Row tile `tile` of the flat tile space: (expert, first row, end row of the expert), or an
-    expert == num_experts for a tile past the last one."""
-    expert_ids = tl.arange(0, EXPERTS_POW2)
-    in_range = expert_ids < num_experts
-    starts = tl.load(offsets_ptr + expert_ids, mask=in_range, other=0)
-    ends = tl.load(offsets_ptr + expert_ids + 1, mask=in_range, other=0)
-    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    tile_ends = tl.cumsum(tiles, axis=0)
-    expert = tl.sum(((tile_ends <= tile) & in_range).to(tl.int32), axis=0)
-    mine = expert_ids == expert
-    first_row = tl.sum(tl.where(mine, starts + (tile - (tile_ends - tiles)) * BLOCK_M, 0), axis=0)
-    end_row = tl.sum(tl.where(mine, ends, 0), axis=0)
-    return expert, first_row, end_row
 
 
 @triton.jit
@@ -150,7 +133,7 @@ def _grouped_gemm_rows_kernel(
     SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
     num_tiles_n: tl.constexpr = N // BLOCK_N
     tile_m, tile_n = swizzled(tl.program_id(0), num_tiles_m, num_tiles_n, GROUP_M)
-    expert, first_row, end_row = _tile_of_expert(offsets_ptr, num_experts, tile_m, EXPERTS_POW2, BLOCK_M)
+    expert, first_row, end_row = tile_of_expert(offsets_ptr, num_experts, tile_m, tl.arange(0, EXPERTS_POW2), BLOCK_M)
     if expert < num_experts:
         rows = first_row + tl.arange(0, SUB_M)
         # Rows past the expert's end belong to the next expert (or are past M): their products are

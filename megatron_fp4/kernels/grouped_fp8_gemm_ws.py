@@ -33,7 +33,7 @@ from ..formats import FP8_BLOCK
 from ..tensors import padded_scale_columns
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 from ._bits import store_rounded
-from ._tile_order import swizzled
+from ._tile_order import swizzled, tile_of_expert
 
 # Registers per thread of the worker partitions: the second consumer warpgroup holds a 64 x 128
 # fp32 accumulator and a product (128 registers) plus addresses; the producer warp only addresses.
@@ -43,37 +43,13 @@ HALF_ROWS = 64  # a warpgroup's product is 64 rows
 
 
 @gluon.jit
-def _sum(a, b):
-    return a + b
-
-
-@gluon.jit
-def _tile_of_expert(offsets_ptr, num_experts, tile, EXPERTS_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
-                    num_warps: gl.constexpr):
-    """grouped_fp8_gemm._tile_of_expert in Gluon (which cannot call a @triton.jit function that
-    makes a tensor without a layout): (expert, first row, end row of the expert) of row tile `tile`,
-    expert == num_experts past the last tile."""
-    experts_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    expert_ids = gl.arange(0, EXPERTS_POW2, layout=experts_layout)
-    in_range = expert_ids < num_experts
-    starts = gl.load(offsets_ptr + expert_ids, mask=in_range, other=0)
-    ends = gl.load(offsets_ptr + expert_ids + 1, mask=in_range, other=0)
-    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    tile_ends = gl.associative_scan(tiles, 0, _sum)
-    expert = gl.sum(((tile_ends <= tile) & in_range).to(gl.int32), axis=0)
-    mine = expert_ids == expert
-    first_row = gl.sum(gl.where(mine, starts + (tile - (tile_ends - tiles)) * BLOCK_M, 0), axis=0)
-    end_row = gl.sum(gl.where(mine, ends, 0), axis=0)
-    return expert, first_row, end_row
-
-
-@gluon.jit
 def _tile(tile, offsets_ptr, num_experts, num_tiles_m, N: gl.constexpr, EXPERTS_POW2: gl.constexpr,
           GROUP_M: gl.constexpr, WARPS: gl.constexpr):
     """(expert, first row, end row, column tile) of output tile `tile` in the Triton kernel's order;
     expert == num_experts for a spare tile. Every partition derives it itself (WARPS: its warps)."""
     tile_m, tile_n = swizzled(tile, num_tiles_m, N // 128, GROUP_M)
-    expert, first_row, end_row = _tile_of_expert(offsets_ptr, num_experts, tile_m, EXPERTS_POW2, 128, WARPS)
+    expert_ids = gl.arange(0, EXPERTS_POW2, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    expert, first_row, end_row = tile_of_expert(offsets_ptr, num_experts, tile_m, expert_ids, 128)
     return expert, first_row, end_row, tile_n
 
 
