@@ -108,6 +108,15 @@ def _scaled_add(acc, product, row_scales, b_scale, B_SCALE_PER_COLUMN: tl.conste
 
 
 @triton.jit
+def _step_scales(a_scale_top, a_scale_bottom, b_scale, k_block, num_rows, ROW_HALVES: tl.constexpr):
+    """(top rows' scales, bottom rows' scales, the weight block's scale) of K step k_block (the
+    bottom ones are the top ones when there is one row half)."""
+    top = tl.load(a_scale_top + k_block * num_rows)
+    bottom = tl.load(a_scale_bottom + k_block * num_rows) if ROW_HALVES == 2 else top
+    return top, bottom, tl.load(b_scale + k_block)
+
+
+@triton.jit
 def _grouped_gemm_rows_kernel(
     a,  # fp8 [M, K] row-major: a pointer, or with TMA a descriptor of [BLOCK_M / ROW_HALVES, 128] tiles
     a_scales_ptr,  # fp32 [K / 128, M]
@@ -158,21 +167,23 @@ def _grouped_gemm_rows_kernel(
         b_scale = b_scales_ptr + (expert64 * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
         acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
         acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+        # Each K step's scales are new cache lines, whose latency from L2 is longer than a product:
+        # they are loaded a step ahead (the last step reloads its own).
+        sa_top, sa_bottom, sb = _step_scales(a_scale_top, a_scale_bottom, b_scale, 0, num_rows, ROW_HALVES)
         for k_block in range(K // BLOCK_K):
             k0 = k_block * BLOCK_K
+            next_sa_top, next_sa_bottom, next_sb = _step_scales(
+                a_scale_top, a_scale_bottom, b_scale, tl.minimum(k_block + 1, K // BLOCK_K - 1), num_rows, ROW_HALVES)
             w = _tile(b, w_tile, expert * N + tile_n * BLOCK_N, k0, True, TMA)
-            sb = tl.load(b_scale)
-            acc_top = _promoted(acc_top, _tile(a, a_top, first_row, k0, False, TMA), w, a_scale_top, sb, False)
+            acc_top = _scaled_add(acc_top, tl.dot(_tile(a, a_top, first_row, k0, False, TMA), w), sa_top, sb, False)
             if ROW_HALVES == 2:
-                acc_bottom = _promoted(acc_bottom, _tile(a, a_bottom, first_row + SUB_M, k0, False, TMA), w,
-                                       a_scale_bottom, sb, False)
+                acc_bottom = _scaled_add(acc_bottom, tl.dot(_tile(a, a_bottom, first_row + SUB_M, k0, False, TMA), w),
+                                         sa_bottom, sb, False)
             if not TMA:
                 a_top += BLOCK_K
                 a_bottom += BLOCK_K
                 w_tile += BLOCK_K
-            a_scale_top += num_rows
-            a_scale_bottom += num_rows
-            b_scale += 1
+            sa_top, sa_bottom, sb = next_sa_top, next_sa_bottom, next_sb
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out = c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
         store_rounded(out, acc_top, (rows < end_row)[:, None], OUT_BF16)

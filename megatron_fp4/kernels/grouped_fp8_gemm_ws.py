@@ -26,6 +26,7 @@ from typing import List
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -40,6 +41,9 @@ from ._tile_order import swizzled, tile_of_expert
 CONSUMER_REGISTERS = gl.constexpr(232)
 PRODUCER_REGISTERS = gl.constexpr(40)
 HALF_ROWS = 64  # a warpgroup's product is 64 rows
+SCALE_STAGES = gl.constexpr(4)  # K steps whose scales are copied ahead of their use
+# A barrier of the calling partition's warps (Triton 3.7 renamed thread_barrier to barrier).
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
@@ -82,12 +86,25 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, released, offsets_ptr, num_
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, released, a_scales_ptr, b_scales_ptr, offsets_ptr, c_ptr, num_rows,
+def _fetch_scales(row_scale_slots, block_scale_slots, slot, a_scale_ptrs, b_scale_ptrs, k_block, num_rows,
+                  NUM_K: gl.constexpr):
+    """Start copying K step k_block's row scales and weight block scale (the latter once per row)
+    into the slot's shared memory, as one commit group (empty past the last step)."""
+    if k_block < NUM_K:
+        async_copy.async_copy_global_to_shared(row_scale_slots.index(slot), a_scale_ptrs + k_block * num_rows)
+        async_copy.async_copy_global_to_shared(block_scale_slots.index(slot), b_scale_ptrs + k_block)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, released, row_scale_slots, block_scale_slots, a_scales_ptr, b_scales_ptr,
+              offsets_ptr, c_ptr, num_rows,
               num_experts, num_tiles_m, HALF_INDEX: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
               B_SCALE_STRIDE: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, OUT_BF16: gl.constexpr):
     """One warpgroup's 64-row half of each of the program's tiles: the promoted sum over K, then
-    its store (while the producer already loads the next tile)."""
+    its store (while the producer already loads the next tile). row_scale_slots / block_scale_slots:
+    this warpgroup's [SCALE_STAGES, 64] rings of scales."""
     HALF: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     NUM_K: gl.constexpr = K // BLOCK_N
@@ -104,20 +121,28 @@ def _consumer(a_bufs, b_bufs, ready, released, a_scales_ptr, b_scales_ptr, offse
             # past M the scales are read from the last row and TMA reads zeros.
             a_scale_ptrs = a_scales_ptr + gl.minimum(rows, num_rows - 1).to(gl.int64)
             b_scale_ptr = b_scales_ptr + (expert.to(gl.int64) * (N // BLOCK_N) + tile_n) * B_SCALE_STRIDE
+            b_scale_ptrs = b_scale_ptr + gl.zeros([HALF], gl.int64, per_row)
             acc = gl.zeros([HALF, BLOCK_N], gl.float32, products)
-            scale = gl.load(a_scale_ptrs) * gl.load(b_scale_ptr)
+            # Each step's scales are new cache lines, whose latency from L2 is longer than a step's
+            # products: they are copied SCALE_STAGES steps ahead into a ring of shared memory.
+            for k_block in gl.static_range(SCALE_STAGES):
+                _fetch_scales(row_scale_slots, block_scale_slots, k_block, a_scale_ptrs, b_scale_ptrs, k_block,
+                              num_rows, NUM_K)
             for k_block in range(NUM_K):
                 stage = step % STAGES
+                slot = k_block % SCALE_STAGES
                 mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
                 product = warpgroup_mma(a_bufs.index(2 * stage + HALF_INDEX), b_bufs.index(stage).permute((1, 0)),
                                         gl.zeros([HALF, BLOCK_N], gl.float32, products), use_acc=False, is_async=True)
-                # The next step's scales load while the tensor cores run.
-                next_k = gl.minimum(k_block + 1, NUM_K - 1)
-                next_scale = gl.load(a_scale_ptrs + next_k * num_rows) * gl.load(b_scale_ptr + next_k)
+                async_copy.wait_group(SCALE_STAGES - 1)  # this step's copies are the oldest group
+                _partition_barrier()  # (a row's scale may be copied by another thread of the warpgroup)
+                scale = row_scale_slots.index(slot).load(per_row) * block_scale_slots.index(slot).load(per_row)
                 product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
                 mbarrier.arrive(released.index(stage), count=1)
                 acc = acc + product * scale[:, None]
-                scale = next_scale
+                _partition_barrier()  # every thread has read the slot before it is refilled
+                _fetch_scales(row_scale_slots, block_scale_slots, slot, a_scale_ptrs, b_scale_ptrs,
+                              k_block + SCALE_STAGES, num_rows, NUM_K)
                 step += 1
             cols = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, products))
             out = c_ptr + rows[:, None].to(gl.int64) * N + cols[None, :]
@@ -150,14 +175,23 @@ def _grouped_gemm_rows_ws_kernel(
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     released = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Each consumer's rings of scales.
+    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a slot's layout
+    scale_ring: gl.constexpr = [SCALE_STAGES, a_desc.block_type.shape[0]]
+    row_scales_top = gl.allocate_shared_memory(gl.float32, scale_ring, scale_layout)
+    block_scales_top = gl.allocate_shared_memory(gl.float32, scale_ring, scale_layout)
+    row_scales_bottom = gl.allocate_shared_memory(gl.float32, scale_ring, scale_layout)
+    block_scales_bottom = gl.allocate_shared_memory(gl.float32, scale_ring, scale_layout)
     for stage in gl.static_range(STAGES):
         mbarrier.init(ready.index(stage), count=1)
         mbarrier.init(released.index(stage), count=2)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, released, a_scales_ptr, b_scales_ptr, offsets_ptr, c_ptr, num_rows,
-                     num_experts, num_tiles_m, 0, N, K, B_SCALE_STRIDE, EXPERTS_POW2, GROUP_M, STAGES, OUT_BF16)),
-        (_consumer, (a_bufs, b_bufs, ready, released, a_scales_ptr, b_scales_ptr, offsets_ptr, c_ptr, num_rows,
-                     num_experts, num_tiles_m, 1, N, K, B_SCALE_STRIDE, EXPERTS_POW2, GROUP_M, STAGES, OUT_BF16)),
+        (_consumer, (a_bufs, b_bufs, ready, released, row_scales_top, block_scales_top,
+                     a_scales_ptr, b_scales_ptr, offsets_ptr, c_ptr, num_rows, num_experts, num_tiles_m, 0, N, K,
+                     B_SCALE_STRIDE, EXPERTS_POW2, GROUP_M, STAGES, OUT_BF16)),
+        (_consumer, (a_bufs, b_bufs, ready, released, row_scales_bottom, block_scales_bottom,
+                     a_scales_ptr, b_scales_ptr, offsets_ptr, c_ptr, num_rows, num_experts, num_tiles_m, 1, N, K,
+                     B_SCALE_STRIDE, EXPERTS_POW2, GROUP_M, STAGES, OUT_BF16)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, released, offsets_ptr, num_experts, num_tiles_m, N, K,
                      EXPERTS_POW2, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])

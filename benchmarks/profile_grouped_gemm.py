@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""One forward / data-gradient grouped GEMM at one expert layout, for a profiler to attach to, with
+its wall-time rate printed beside the dense FP8 GEMM's (a diagnosis aid; the figures that count
+come from bench_grouped_gemm, which writes rows):
+
+    python -m benchmarks.profile_grouped_gemm --gemm fc1_fprop --experts 1 32
+    ncu --clock-control none --kernel-name regex:'gemm|xmma|cutlass' --section SpeedOfLight \\
+        python -m benchmarks.profile_grouped_gemm --gemm fc1_fprop --experts 32 --warmup 0 --repeat 1
+
+`--experts 1` puts every row in one expert: the grouped kernels then do the dense GEMM's work, so
+their gap to it is the kernel's own, not the grouping's. `--even` gives every expert the same
+number of rows, a multiple of 128 (no partly filled row tiles).
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4 import kernels as K
+from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS
+from benchmarks.bench_grouped_gemm import FFN, HIDDEN, ROUTED_ROWS
+from benchmarks.common import ragged_counts
+
+# (N, K) of each forward / data-gradient GEMM at DeepSeek-V3's expert shapes.
+SHAPES = {"fc1_fprop": (2 * FFN, HIDDEN), "fc2_fprop": (HIDDEN, FFN), "fc1_dgrad": (HIDDEN, 2 * FFN),
+          "fc2_dgrad": (FFN, HIDDEN)}
+VARIANTS = ("dense", "triton", "ws")
+
+
+def _counts(experts: int, even: bool) -> torch.Tensor:
+    if even:
+        if ROUTED_ROWS % (experts * 128):
+            raise SystemExit(f"--even needs {ROUTED_ROWS} rows to split into multiples of 128 over {experts} experts")
+        return torch.full((experts,), ROUTED_ROWS // experts)
+    return ragged_counts(ROUTED_ROWS, experts, seed=experts)
+
+
+def _calls(n: int, k: int, counts: torch.Tensor):
+    """The variants' zero-argument calls over the same random operands."""
+    experts, m = counts.numel(), int(counts.sum())
+    rows = K.quantize_fp8_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    weights = K.quantize_fp8_weights_stacked(list(torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02))
+    offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).cuda()
+    b, sb = weights[0].scaled_mm_operand()
+    return {
+        "dense": lambda: F.scaled_mm(rows.data, b, rows.block_scales.t(), F.ScalingType.BlockWise1x128, sb,
+                                     F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
+        "triton": lambda: K.grouped_gemm_by_weight(rows, weights, offsets, tiles=DEFAULT_ROWS_TILES),
+        "ws": lambda: K.grouped_gemm_by_weight(rows, weights, offsets, tiles=WARP_SPECIALIZED_ROWS),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gemm", choices=sorted(SHAPES), default="fc1_fprop")
+    p.add_argument("--experts", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--even", action="store_true", help="equal expert sizes, multiples of 128")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls per variant first")
+    p.add_argument("--repeat", type=int, default=20, help="timed calls per variant")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_grouped_gemm needs a CUDA GPU (SM90)")
+    n, k = SHAPES[args.gemm]
+    for experts in args.experts:
+        calls = _calls(n, k, _counts(experts, args.even))
+        for variant in args.variants:
+            call = calls[variant]
+            for _ in range(args.warmup):
+                call()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.repeat):
+                call()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - start) * 1e3 / args.repeat
+            print(f"{args.gemm} experts={experts}{' even' if args.even else ''} {variant}: {ms:.3f} ms, "
+                  f"{2.0 * ROUTED_ROWS * n * k / ms / 1e9:.0f} TFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
