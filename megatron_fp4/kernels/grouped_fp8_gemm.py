@@ -78,13 +78,6 @@ WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_sta
 
 
 @triton.jit
-def _promoted(acc, a, b, a_scale, b_scale, B_SCALE_PER_COLUMN: tl.constexpr):
-    """acc + the tensor-core product of the A and B tiles, scaled by the A rows' scales (loaded from
-    a_scale) times the B scale (one per tile, or one per column) in fp32: DeepSeek's promotion."""
-    return _scaled_add(acc, tl.dot(a, b), tl.load(a_scale), b_scale, B_SCALE_PER_COLUMN)
-
-
-@triton.jit
 def _tile(operand, pointers, first_row, k0, TRANSPOSED: tl.constexpr, TMA: tl.constexpr):
     """An operand tile of this K step: with TMA, the operand's descriptor tile at (first_row, k0)
     (32-bit coordinates), transposed when TRANSPOSED; else the load at `pointers` (built in the
@@ -108,12 +101,14 @@ def _scaled_add(acc, product, row_scales, b_scale, B_SCALE_PER_COLUMN: tl.conste
 
 
 @triton.jit
-def _step_scales(a_scale_top, a_scale_bottom, b_scale, k_block, num_rows, ROW_HALVES: tl.constexpr):
-    """(top rows' scales, bottom rows' scales, the weight block's scale) of K step k_block (the
-    bottom ones are the top ones when there is one row half)."""
-    top = tl.load(a_scale_top + k_block * num_rows)
-    bottom = tl.load(a_scale_bottom + k_block * num_rows) if ROW_HALVES == 2 else top
-    return top, bottom, tl.load(b_scale + k_block)
+def _step_scales(a_scale_top, a_scale_bottom, b_scale, k_block, a_step, b_step, ROW_HALVES: tl.constexpr,
+                 valid=True):
+    """(top rows' scales, bottom rows' scales, B's scale or scales) of K step k_block, the scale
+    pointers moving a_step / b_step elements per step (the bottom ones are the top ones when there
+    is one row half; zeros unless `valid`)."""
+    top = tl.load(a_scale_top + k_block * a_step, mask=valid, other=0.0)
+    bottom = tl.load(a_scale_bottom + k_block * a_step, mask=valid, other=0.0) if ROW_HALVES == 2 else top
+    return top, bottom, tl.load(b_scale + k_block * b_step, mask=valid, other=0.0)
 
 
 @triton.jit
@@ -169,11 +164,12 @@ def _grouped_gemm_rows_kernel(
         acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
         # Each K step's scales are new cache lines, whose latency from L2 is longer than a product:
         # they are loaded a step ahead (the last step reloads its own).
-        sa_top, sa_bottom, sb = _step_scales(a_scale_top, a_scale_bottom, b_scale, 0, num_rows, ROW_HALVES)
+        sa_top, sa_bottom, sb = _step_scales(a_scale_top, a_scale_bottom, b_scale, 0, num_rows, 1, ROW_HALVES)
         for k_block in range(K // BLOCK_K):
             k0 = k_block * BLOCK_K
             next_sa_top, next_sa_bottom, next_sb = _step_scales(
-                a_scale_top, a_scale_bottom, b_scale, tl.minimum(k_block + 1, K // BLOCK_K - 1), num_rows, ROW_HALVES)
+                a_scale_top, a_scale_bottom, b_scale, tl.minimum(k_block + 1, K // BLOCK_K - 1), num_rows, 1,
+                ROW_HALVES)
             w = _tile(b, w_tile, expert * N + tile_n * BLOCK_N, k0, True, TMA)
             acc_top = _scaled_add(acc_top, tl.dot(_tile(a, a_top, first_row, k0, False, TMA), w), sa_top, sb, False)
             if ROW_HALVES == 2:
@@ -235,21 +231,23 @@ def _grouped_wgrad_kernel(
     b_scale = b_scales_ptr + (first_col // BLOCK_K) * K + cols
     acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
     acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-    for k_block in range((end_col - first_col) // BLOCK_K):
+    # The scales a step ahead, as in the rows kernel (an expert without tokens has none to load).
+    num_k = (end_col - first_col) // BLOCK_K
+    sa_top, sa_bottom, sb = _step_scales(a_scale_top, a_scale_bottom, b_scale, 0, N, K, ROW_HALVES, num_k > 0)
+    for k_block in range(num_k):
         k0 = first_col + k_block * BLOCK_K
+        next_sa_top, next_sa_bottom, next_sb = _step_scales(a_scale_top, a_scale_bottom, b_scale,
+                                                            tl.minimum(k_block + 1, num_k - 1), N, K, ROW_HALVES)
         x = _tile(b, x_tile, tile_n * BLOCK_N, k0, True, TMA)
-        sb = tl.load(b_scale)
-        acc_top = _promoted(acc_top, _tile(a, a_top, tile_m * BLOCK_M, k0, False, TMA), x, a_scale_top, sb, True)
+        acc_top = _scaled_add(acc_top, tl.dot(_tile(a, a_top, tile_m * BLOCK_M, k0, False, TMA), x), sa_top, sb, True)
         if ROW_HALVES == 2:
-            acc_bottom = _promoted(acc_bottom, _tile(a, a_bottom, tile_m * BLOCK_M + SUB_M, k0, False, TMA), x,
-                                   a_scale_bottom, sb, True)
+            acc_bottom = _scaled_add(acc_bottom, tl.dot(_tile(a, a_bottom, tile_m * BLOCK_M + SUB_M, k0, False, TMA),
+                                                        x), sa_bottom, sb, True)
         if not TMA:
             a_top += BLOCK_K
             a_bottom += BLOCK_K
             x_tile += BLOCK_K
-        a_scale_top += N
-        a_scale_bottom += N
-        b_scale += K
+        sa_top, sa_bottom, sb = next_sa_top, next_sa_bottom, next_sb
     _store_wgrad(c_ptr, expert, rows, cols, acc_top, N, K, ACCUMULATE, OUT_BF16)
     if ROW_HALVES == 2:
         _store_wgrad(c_ptr, expert, rows + SUB_M, cols, acc_bottom, N, K, ACCUMULATE, OUT_BF16)
