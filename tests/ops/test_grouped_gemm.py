@@ -251,11 +251,12 @@ def test_warp_specialized_tiles_are_refused_when_changed_and_under_the_interpret
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("experts,k,n", [(8, 7168, 4096), (8, 2048, 7168), (3, 384, 256)], ids=["fc1", "fc2", "small"])
+@pytest.mark.parametrize("experts,k,n", [(8, 7168, 4096), (8, 2048, 7168), (3, 384, 256), (3, 128, 256)],
+                         ids=["fc1", "fc2", "small", "one_k_step"])
 def test_warp_specialized_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype):
     """The Gluon kernel sums the same products in the same order as the Triton kernel: equal bits,
     on ragged segments with empty and one-token experts, a NaN row and an all-zero row, at every
-    stage count the sweep tries."""
+    stage count the sweep tries, and with fewer K steps than its ring of scales."""
     counts = [700, 0, 1, 3, 129, 2048, 64, 1000][:experts] if experts == 8 else [1, 0, 260]
     x = torch.randn(sum(counts), k) * torch.exp2(torch.randint(-10, 10, (sum(counts), k)).float())
     x[5] = float("nan")
