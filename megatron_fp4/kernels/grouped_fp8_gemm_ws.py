@@ -140,9 +140,15 @@ def _consumer(a_bufs, b_bufs, ready, released, row_scale_slots, block_scale_slot
                 product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
                 mbarrier.arrive(released.index(stage), count=1)
                 acc = acc + product * scale[:, None]
-                _partition_barrier()  # every thread has read the slot before it is refilled
-                _fetch_scales(row_scale_slots, block_scale_slots, slot, a_scale_ptrs, b_scale_ptrs,
-                              k_block + SCALE_STAGES, num_rows, NUM_K)
+                if NUM_K > SCALE_STAGES:
+                    _partition_barrier()  # every thread has read the slot before it is refilled
+                    _fetch_scales(row_scale_slots, block_scale_slots, slot, a_scale_ptrs, b_scale_ptrs,
+                                  k_block + SCALE_STAGES, num_rows, NUM_K)
+                else:
+                    # Every step's scales were copied before the loop; the empty group keeps the
+                    # wait above counting one group per step. (Triton 3.6 fails to compile the
+                    # refill in a loop of one step.)
+                    async_copy.commit_group()
                 step += 1
             cols = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, products))
             out = c_ptr + rows[:, None].to(gl.int64) * N + cols[None, :]
