@@ -64,7 +64,8 @@ class GemmTiles:
 # 32 and 8 experts (rows in benchmarks/results/grouped_gemm.jsonl; the printout has every config).
 # fprop / dgrad: one warpgroup on 128 x 128 as two 64-row halves sharing each weight tile, three
 # stages (96 KB of shared memory: two programs per SM, one scaling its products while the other's
-# tensor cores run), pointer loads: 811-928 TFLOP/s (commit a879700), against 650-760 for single
+# tensor cores run), pointer loads: 811-928 TFLOP/s (commit a879700; 850-1086 with the scales loaded
+# ahead, 044947b, where it won every sweep but one), against 650-760 for single
 # 64 x 128 tiles and ~510 with four stages (one program per SM); TMA loads did not beat it (60c06af,
 # 36fee30: 815-861 for 64 x 128 on three stages, 683-863 for 128 x 128 on 8 warps, 431-644 with two
 # halves). wgrad (a scale per column of B): single 64 x 128 tiles, TMA, three stages (72 KB: three

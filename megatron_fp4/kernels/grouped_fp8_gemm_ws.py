@@ -8,7 +8,8 @@ block's scale, added to an fp32 accumulator. What differs is who does what:
   weight tile into a ring of shared-memory stages, and waits for a stage to be released before
   refilling it;
 - two consumer warpgroups each own one 64-row half: wait for a stage, start the product, wait for
-  it, release the stage, and scale it into their accumulator.
+  it, release the stage, and scale it into their accumulator. Each copies its rows' scales four K
+  steps ahead into shared memory (cp.async), so no step waits for a load from L2.
 
 The consumers synchronise only through the stage barriers, so one scales its product while the
 other's is on the tensor cores. (Overlapping the scaling with the same warpgroup's next product is
@@ -17,8 +18,9 @@ flight, "C7514".) The kernel is persistent, one program per SM, so that a tile's
 next tile's loads. Gluon has no interpreter: CPU runs compile it for sm_90 (sm90_build) and the GPU
 tests compare its bits with the Triton kernel's.
 
-Not the default: on H200 it ran at 0.88x-1.02x of the Triton kernel's rate by GEMM and made the MoE
-layer 3% slower (docs/kernels.md, "Grouped FP8 GEMMs"; bench_grouped_gemm sweeps it every run).
+Not the default: on H200 it ran at 0.80x-0.96x of the Triton kernel's rate by GEMM and made the MoE
+layer 1.5% slower (commit 044947b; docs/kernels.md, "Grouped FP8 GEMMs"; bench_grouped_gemm sweeps it
+every run).
 """
 
 from typing import List
