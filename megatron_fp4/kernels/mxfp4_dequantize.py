@@ -1,6 +1,6 @@
 """MXFP4 wire rows -> BF16 [T, H], one pass: each packed byte becomes one int32 holding two bf16."""
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import triton
@@ -8,11 +8,14 @@ import triton.language as tl
 
 from ..formats import MXFP4_BLOCK
 from ..tensors import MXFP4Tensor
-from ._checks import TileConfig, check_kernel_device
+from ._checks import TileConfig, check_kernel_device, launch_config
 from ._format_constants import E8M0_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
 
 DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=16, num_warps=4)
+# Under the interpreter a program costs about the same whatever its size (launch_config): 128 rows
+# x 512 hidden, 9-14x less time than the GPU's tiles at the tests' shapes.
+INTERPRETER_CONFIG = TileConfig(block_rows=128, block_cols=16, num_warps=4)
 
 
 @triton.jit
@@ -60,11 +63,12 @@ def _dequantize_mxfp4_kernel(
     tl.store(out_pairs_ptr + out_offsets, lo | (hi << 16), mask=block_mask[:, :, None])
 
 
-def dequantize_mxfp4(q: MXFP4Tensor, config: TileConfig = DEFAULT_CONFIG) -> torch.Tensor:
+def dequantize_mxfp4(q: MXFP4Tensor, config: Optional[TileConfig] = None) -> torch.Tensor:
     """MXFP4 -> BF16 [T, H]. NaN blocks give NaN."""
     if not isinstance(q, MXFP4Tensor):
         raise TypeError(f"dequantize_mxfp4: expected an MXFP4Tensor, got {type(q).__name__}")
     check_kernel_device("dequantize_mxfp4", q.rows)
+    config = launch_config(config, q.rows.device, DEFAULT_CONFIG, INTERPRETER_CONFIG)
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     if q.num_tokens == 0:
         return out

@@ -20,7 +20,7 @@ import triton.language as tl
 from ..formats import FP8_BLOCK, MXFP4_BLOCK
 from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, MXFP4Tensor
 from ._bits import fp4_word_to_fp8_exact, fp4_word_to_fp8_fast, fp4_words_need_exact_path, pow2_fp32
-from ._checks import TileConfig, check_hidden_multiple, check_kernel_device
+from ._checks import TileConfig, check_hidden_multiple, check_kernel_device, launch_config
 from ._format_constants import E8M0_NAN, FP4_TO_FP8_SCALE_BIAS
 from ._segments import block_source_rows, check_segments, empty_colwise, experts_pow2
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
@@ -28,6 +28,12 @@ from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 # block_cols counts 128-element groups for rows and 32-element MXFP4 blocks for columns.
 DEFAULT_ROWS_CONFIG = TileConfig(block_rows=8, block_cols=8, num_warps=4)
 DEFAULT_COLS_CONFIG = TileConfig(block_rows=FP8_BLOCK, block_cols=4, num_warps=4)
+# Under the interpreter a program costs about the same whatever its size (launch_config): up to 1024
+# hidden a program. Rows: 64 tokens, not 128, because the exact path walks its block row by row, so
+# a taller block costs the hard-case tests more than it saves (replaying the rows conversions of the
+# FP8-expert and training tests: 6x less time than the GPU's 8 x 8; 128 rows 10x).
+INTERPRETER_ROWS_CONFIG = TileConfig(block_rows=64, block_cols=8, num_warps=4)
+INTERPRETER_COLS_CONFIG = TileConfig(block_rows=FP8_BLOCK, block_cols=32, num_warps=4)
 
 # Tokens per step of the columns kernel's exact (large-gap) path.
 _EXACT_TOKENS = tl.constexpr(16)
@@ -120,9 +126,10 @@ def _check_mxfp4(name: str, q: MXFP4Tensor) -> None:
         raise ValueError(f"{name}: the MXFP4 rows must start at a 4-byte boundary with a row stride divisible by 4")
 
 
-def mxfp4_to_fp8_rows(q: MXFP4Tensor, config: TileConfig = DEFAULT_ROWS_CONFIG) -> FP8BlockTensor:
+def mxfp4_to_fp8_rows(q: MXFP4Tensor, config: Optional[TileConfig] = None) -> FP8BlockTensor:
     """MXFP4 [T, H] -> FP8 [T, H] with 1x128 scales along H (hidden a multiple of 128)."""
     _check_mxfp4("mxfp4_to_fp8_rows", q)
+    config = launch_config(config, q.device, DEFAULT_ROWS_CONFIG, INTERPRETER_ROWS_CONFIG)
     num_rows, hidden = q.shape
     groups = hidden // FP8_BLOCK
     data = torch.empty(num_rows, hidden, dtype=torch.float8_e4m3fn, device=q.device)
@@ -241,7 +248,7 @@ def mxfp4_to_fp8_cols(
     tokens_per_expert: torch.Tensor,
     capacity: Optional[int] = None,
     check_counts: bool = True,
-    config: TileConfig = DEFAULT_COLS_CONFIG,
+    config: Optional[TileConfig] = None,
 ) -> FP8BlockTensor:
     """MXFP4 rows of E ragged expert segments -> X^T [H, capacity] in FP8, 1x128 along tokens.
 
@@ -252,6 +259,7 @@ def mxfp4_to_fp8_cols(
     come from Megatron's router may skip it. Bad counts never make the kernel read or write
     out of bounds."""
     _check_mxfp4("mxfp4_to_fp8_cols", q)
+    config = launch_config(config, q.device, DEFAULT_COLS_CONFIG, INTERPRETER_COLS_CONFIG)
     num_rows, hidden = q.shape
     capacity = check_segments("mxfp4_to_fp8_cols", tokens_per_expert, q.device, num_rows, capacity, check_counts)
     num_experts = tokens_per_expert.numel()

@@ -9,6 +9,7 @@ import torch
 import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
 from megatron_fp4.formats import mxfp4_wire_bytes_per_row
+from megatron_fp4.kernels import mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8
 from megatron_fp4.kernels.mxfp4_to_fp8 import DEFAULT_ROWS_CONFIG
 from megatron_fp4.tensors import MXFP4Tensor
 
@@ -18,46 +19,64 @@ from support.inputs import (assert_same_bits, assert_same_fp8, assert_same_mxfp4
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
+def gpu_and_interpreter_configs(gpu, interpreted):
+    """A kernel's GPU tile config and its interpreter one (what CPU runs launch by default,
+    kernels/_checks.py::launch_config): the tests run both, so CI checks the GPU's bit for bit."""
+    return pytest.mark.parametrize("config", [gpu, interpreted], ids=["gpu_config", "interpreter_config"])
+
+
+QUANTIZE_CONFIGS = gpu_and_interpreter_configs(mxfp4_quantize.DEFAULT_CONFIG, mxfp4_quantize.INTERPRETER_CONFIG)
+DEQUANTIZE_CONFIGS = gpu_and_interpreter_configs(mxfp4_dequantize.DEFAULT_CONFIG,
+                                                 mxfp4_dequantize.INTERPRETER_CONFIG)
+ROWS_CONFIGS = gpu_and_interpreter_configs(mxfp4_to_fp8.DEFAULT_ROWS_CONFIG, mxfp4_to_fp8.INTERPRETER_ROWS_CONFIG)
+COLS_CONFIGS = gpu_and_interpreter_configs(mxfp4_to_fp8.DEFAULT_COLS_CONFIG, mxfp4_to_fp8.INTERPRETER_COLS_CONFIG)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("scale_rule", ["ceil", "floor"])
 @pytest.mark.parametrize("shape", [(19, 256), (40, 9 * 32)])
-def test_quantize_mxfp4(device, dtype, scale_rule, shape):
+@QUANTIZE_CONFIGS
+def test_quantize_mxfp4(device, dtype, scale_rule, shape, config):
     x = hard_input(*shape, dtype, seed=shape[0], device=device)
     out = MXFP4Tensor.empty(*shape, device, scale_rule)
     out.rows.fill_(0xA5)  # poison: every byte must be written
-    q = mf.quantize_mxfp4(x, scale_rule, out=out)
+    q = mf.quantize_mxfp4(x, scale_rule, out=out, config=config)
     assert_same_mxfp4(q, ref.quantize_mxfp4(x, scale_rule))
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_quantize_mxfp4_fresh_random(device, seed):
+@QUANTIZE_CONFIGS
+def test_quantize_mxfp4_fresh_random(device, seed, config):
     rows = int(torch.randint(1, 70, (1,)))
     blocks = int(torch.randint(1, 40, (1,)))
     x = random_input(rows, blocks * 32, torch.bfloat16, seed=100 + seed, device=device)
-    assert_same_mxfp4(mf.quantize_mxfp4(x), ref.quantize_mxfp4(x))
+    assert_same_mxfp4(mf.quantize_mxfp4(x, config=config), ref.quantize_mxfp4(x))
 
 
-def test_quantize_mxfp4_into_a_wire_buffer_slice(device):
+@QUANTIZE_CONFIGS
+def test_quantize_mxfp4_into_a_wire_buffer_slice(device, config):
     x = hard_input(12, 256, torch.bfloat16, seed=7, device=device)
     wire = torch.full((20, mxfp4_wire_bytes_per_row(256)), 0xA5, dtype=torch.uint8, device=device)
-    q = mf.quantize_mxfp4(x, out=MXFP4Tensor(wire[4:16], 256))
+    q = mf.quantize_mxfp4(x, out=MXFP4Tensor(wire[4:16], 256), config=config)
     assert_same_mxfp4(q, ref.quantize_mxfp4(x))
     assert (wire[:4] == 0xA5).all() and (wire[16:] == 0xA5).all()
 
 
 @pytest.mark.parametrize("scale_rule", ["ceil", "floor"])
-def test_dequantize_mxfp4(device, scale_rule):
+@DEQUANTIZE_CONFIGS
+def test_dequantize_mxfp4(device, scale_rule, config):
     x = hard_input(21, 384, torch.float32, seed=8, device=device)
     q = ref.quantize_mxfp4(x, scale_rule)
-    assert_same_bits(mf.dequantize_mxfp4(q), ref.dequantize_mxfp4(q))
+    assert_same_bits(mf.dequantize_mxfp4(q, config), ref.dequantize_mxfp4(q))
 
 
-def test_dequantize_mxfp4_every_code_and_scale(device):
+@DEQUANTIZE_CONFIGS
+def test_dequantize_mxfp4_every_code_and_scale(device, config):
     # All 256 packed bytes under every scale byte 0..255 (bf16 subnormals, overflow and NaN).
     data = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256, 1)  # [256 rows, 512 elements]
     scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 16)
     q = MXFP4Tensor.from_parts(data.to(device), scales.to(device))
-    assert_same_bits(mf.dequantize_mxfp4(q), ref.dequantize_mxfp4(q))
+    assert_same_bits(mf.dequantize_mxfp4(q, config), ref.dequantize_mxfp4(q))
 
 
 @pytest.mark.parametrize("top_byte", [200, 30, 5])
@@ -72,10 +91,11 @@ def test_fp4_to_fp8_rows_exhaustive(device, top_byte):
 
 
 @pytest.mark.parametrize("scale_rule", ["ceil", "floor"])
-def test_fp4_to_fp8_rows(device, scale_rule):
+@ROWS_CONFIGS
+def test_fp4_to_fp8_rows(device, scale_rule, config):
     x = hard_input(37, 640, torch.bfloat16, seed=9, device=device)
     q = ref.quantize_mxfp4(x, scale_rule)
-    assert_same_fp8(mf.mxfp4_to_fp8_rows(q), ref.mxfp4_to_fp8_rows(q))
+    assert_same_fp8(mf.mxfp4_to_fp8_rows(q, config), ref.mxfp4_to_fp8_rows(q))
 
 
 @pytest.mark.parametrize(
@@ -87,21 +107,23 @@ def test_fp4_to_fp8_rows(device, scale_rule):
         [300],
     ],
 )
-def test_fp4_to_fp8_cols_ragged(device, counts):
+@COLS_CONFIGS
+def test_fp4_to_fp8_cols_ragged(device, counts, config):
     tokens = sum(counts)
     x = hard_input(tokens, 512, torch.bfloat16, seed=tokens, device=device)
     q = ref.quantize_mxfp4(x)
     tokens_per_expert = torch.tensor(counts, dtype=torch.int32, device=device)
-    assert_same_fp8(mf.mxfp4_to_fp8_cols(q, tokens_per_expert), ref.mxfp4_to_fp8_cols(q, counts))
+    assert_same_fp8(mf.mxfp4_to_fp8_cols(q, tokens_per_expert, config=config), ref.mxfp4_to_fp8_cols(q, counts))
 
 
-def test_fp4_to_fp8_cols_random_segments(device):
+@COLS_CONFIGS
+def test_fp4_to_fp8_cols_random_segments(device, config):
     g = torch.Generator().manual_seed(11)
     counts = torch.randint(0, 90, (9,), generator=g)
     counts[torch.randint(0, 9, (2,), generator=g)] = 0
     x = random_input(int(counts.sum()), 256, torch.bfloat16, seed=12, device=device)
     q = ref.quantize_mxfp4(x)
-    got = mf.mxfp4_to_fp8_cols(q, counts.to(device))
+    got = mf.mxfp4_to_fp8_cols(q, counts.to(device), config=config)
     assert_same_fp8(got, ref.mxfp4_to_fp8_cols(q, counts.tolist()))
 
 
@@ -200,21 +222,26 @@ def test_counts_that_do_not_sum_to_the_tokens_are_caught_on_cpu():
         mf.mxfp4_to_fp8_cols(q, torch.tensor([3, 4]))
 
 
-def test_fp4_to_fp8_fast_path_on_plain_activations(device):
+@pytest.mark.parametrize("rows_config, cols_config", [
+    (mxfp4_to_fp8.DEFAULT_ROWS_CONFIG, mxfp4_to_fp8.DEFAULT_COLS_CONFIG),
+    (mxfp4_to_fp8.INTERPRETER_ROWS_CONFIG, mxfp4_to_fp8.INTERPRETER_COLS_CONFIG)],
+    ids=["gpu_configs", "interpreter_configs"])
+def test_fp4_to_fp8_fast_path_on_plain_activations(device, rows_config, cols_config):
     # Normal activations keep every scale gap under 12: the integer fast path alone serves them.
     x = torch.randn(300, 1024, generator=torch.Generator().manual_seed(15)).bfloat16().to(device)
     q = ref.quantize_mxfp4(x)
     gaps = q.scales.reshape(300, -1, 4).amax(-1, keepdim=True) - q.scales.reshape(300, -1, 4)
     assert gaps.max() <= 11
-    assert_same_fp8(mf.mxfp4_to_fp8_rows(q), ref.mxfp4_to_fp8_rows(q))
+    assert_same_fp8(mf.mxfp4_to_fp8_rows(q, rows_config), ref.mxfp4_to_fp8_rows(q))
     counts = torch.tensor([100, 0, 200], device=device)
-    assert_same_fp8(mf.mxfp4_to_fp8_cols(q, counts), ref.mxfp4_to_fp8_cols(q, [100, 0, 200]))
+    assert_same_fp8(mf.mxfp4_to_fp8_cols(q, counts, config=cols_config), ref.mxfp4_to_fp8_cols(q, [100, 0, 200]))
 
 
-def test_cols_with_bad_counts_stays_in_bounds_when_unchecked(device):
+@COLS_CONFIGS
+def test_cols_with_bad_counts_stays_in_bounds_when_unchecked(device, config):
     # Counts that do not describe the tokens give garbage, never an out-of-bounds access; the
     # default check_counts=True is what reports them.
     q = ref.quantize_mxfp4(torch.randn(200, 128).to(device))
     for counts in ([-300, 400, 100], [150, 150, 150]):
-        out = mf.mxfp4_to_fp8_cols(q, torch.tensor(counts, device=device), check_counts=False)
+        out = mf.mxfp4_to_fp8_cols(q, torch.tensor(counts, device=device), check_counts=False, config=config)
         assert out.data.shape == (128, ref.colwise_capacity(200, 3))

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron_fp4.experts import swiglu
 from megatron_fp4.experts.swiglu import swiglu_with_probs_backward, swiglu_with_probs_backward_eager
 
 
@@ -15,8 +16,18 @@ def _inputs(device, tokens, ffn, seed):
     return fc1_out.to(device), probs.to(device), grad.to(device)
 
 
+@pytest.fixture(params=["gpu_rows", "interpreter_rows"])  # not "gpu": that keyword marks GPU-only tests
+def backward_rows_per_program(request, monkeypatch):
+    """The backward kernel at the GPU's rows per program and at the interpreter's (what CPU runs
+    launch by default), wherever the test runs: CI checks the GPU's tiling too."""
+    rows = swiglu.GPU_BLOCK_ROWS if request.param == "gpu_rows" else swiglu.INTERPRETER_BLOCK_ROWS
+    monkeypatch.setattr(swiglu, "GPU_BLOCK_ROWS", rows)
+    monkeypatch.setattr(swiglu, "INTERPRETER_BLOCK_ROWS", rows)
+    return rows
+
+
 @pytest.mark.parametrize("tokens, ffn, offset", [(37, 384, 0.0), (5, 2048, 1.0), (0, 256, 0.0)])
-def test_swiglu_backward_kernel_matches_its_definition(device, tokens, ffn, offset):
+def test_swiglu_backward_kernel_matches_its_definition(device, tokens, ffn, offset, backward_rows_per_program):
     fc1_out, probs, grad = _inputs(device, tokens, ffn, seed=tokens + ffn)
     got_fc1, got_probs = swiglu_with_probs_backward(fc1_out, probs, grad, offset)
     want_fc1, want_probs = swiglu_with_probs_backward_eager(fc1_out, probs, grad, offset)
@@ -28,7 +39,7 @@ def test_swiglu_backward_kernel_matches_its_definition(device, tokens, ffn, offs
     assert (got_fc1.float() != want_fc1.float()).float().mean() < 0.01 if tokens else True
 
 
-def test_swiglu_backward_kernel_other_dtypes(device):
+def test_swiglu_backward_kernel_other_dtypes(device, backward_rows_per_program):
     """FP32 gradients and BF16 probs (rounded in the kernel to nearest even, like torch)."""
     fc1_out, probs, grad = _inputs(device, 9, 256, seed=3)
     got_fc1, got_probs = swiglu_with_probs_backward(fc1_out, probs.bfloat16(), grad.float(), 0.5)
