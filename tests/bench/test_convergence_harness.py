@@ -3,16 +3,20 @@
 config, Megatron 0.19.2), the loss jump and references, the harness end to end with a stand-in
 torchrun that prints that log (rows, curves, the plot), its wall-clock budget and its epoch check."""
 
+import contextlib
+import io
 import json
 import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -91,49 +95,73 @@ def test_run_specs():
         harness.parse_run_spec("mine fp4")
 
 
-@pytest.fixture
-def small_corpus(tmp_path):
+def _small_corpus(root):
     from megatron_fp4.corpus import build_corpus
 
-    tree = tmp_path / "tree"
+    tree = root / "tree"
     tree.mkdir()
     for i in range(40):
         (tree / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {i} + {j}\n" for j in range(60)))
-    return build_corpus(tmp_path / "corpus" / "text", [tree], progress=lambda _: None)
+    return build_corpus(root / "corpus" / "text", [tree], progress=lambda _: None)
+
+
+@pytest.fixture
+def small_corpus(tmp_path):
+    return _small_corpus(tmp_path)
+
+
+def _stand_ins(monkeypatch, torchrun_code, results):
+    """A harness call's environment: a "torchrun" that runs torchrun_code, the rows written to results."""
+    monkeypatch.setenv("TORCHRUN", shlex.join([sys.executable, "-c", torchrun_code]))
+    monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(results))
+    monkeypatch.setenv("MEGATRON_FP4_COMMIT", "abc1234")
 
 
 def _harness(tmp_path, monkeypatch, torchrun_code, *argv):
-    monkeypatch.setenv("TORCHRUN", shlex.join([sys.executable, "-c", torchrun_code]))
-    monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "results"))
-    monkeypatch.setenv("MEGATRON_FP4_COMMIT", "abc1234")
+    _stand_ins(monkeypatch, torchrun_code, tmp_path / "results")
     return harness.main(["--corpus", str(tmp_path / "corpus" / "text"), "--out-dir", str(tmp_path / "runs"),
                          "--poll-s", "0.5", *argv])
 
 
-def test_the_harness_end_to_end(tmp_path, monkeypatch, small_corpus, capsys):
-    # Each run's "torchrun" prints the canned log; the launcher tees it into the run's log.
-    code = f"print(open({str(LOG)!r}).read())"
-    status = _harness(tmp_path, monkeypatch, code, "--runs", "bf16,bf16_init2", "--iters", "6",
-                      "--plot", str(tmp_path / "plot.png"))
-    out = capsys.readouterr().out
-    assert status == 0, out[-3000:]
-    assert re.search(r"\] bf16 finished \| bf16_init2 finished", out)
+# Each run's "torchrun" prints the canned log; the launcher tees it into the run's log.
+PRINT_THE_LOG = f"print(open({str(LOG)!r}).read())"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One harness call whose three runs finish (bf16, its repeat and another init, with the plot),
+    shared by the tests of a normal finish, which copy what they change: each run's launcher
+    imports torch and Megatron (~8 s of CPU), most of these tests' time."""
+    root = tmp_path_factory.mktemp("finished")
+    corpus = _small_corpus(root)
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(out):
+        status = _harness(root, monkeypatch, PRINT_THE_LOG, "--runs", "bf16,bf16_repeat,bf16_init2", "--iters", "6",
+                          "--plot", str(root / "plot.png"))
+    return SimpleNamespace(root=root, corpus=corpus, status=status, out=out.getvalue())
+
+
+def test_the_harness_end_to_end(finished):
+    out, root = finished.out, finished.root
+    assert finished.status == 0, out[-3000:]
+    assert re.search(r"\] bf16 finished \| bf16_repeat finished \| bf16_init2 finished", out)
     canned = convergence_log.parse_log(LOG.read_text())
-    results = [json.loads(line) for line in (tmp_path / "results" / "convergence.jsonl").read_text().splitlines()]
-    curves = [json.loads(line) for line in (tmp_path / "results" / "convergence_curves.jsonl").read_text().splitlines()]
+    results = [json.loads(line) for line in (root / "results" / "convergence.jsonl").read_text().splitlines()]
+    curves = [json.loads(line) for line in (root / "results" / "convergence_curves.jsonl").read_text().splitlines()]
     for row in results + curves:
         assert rows.row_problems(row) == [], row
-        assert row["commit"] == "abc1234" and row["corpus_sha256"] == small_corpus["sha256"]
+        assert row["commit"] == "abc1234" and row["corpus_sha256"] == finished.corpus["sha256"]
     finals = {r["case"]: r for r in results if r["metric"] == "final validation loss (whole split)"}
-    assert set(finals) == {"bf16", "bf16_init2"}
+    assert set(finals) == {"bf16", "bf16_repeat", "bf16_init2"}
     assert finals["bf16_init2"]["reference_run"] == "bf16" and finals["bf16_init2"]["role"].startswith("noise: init")
+    assert finals["bf16_repeat"]["reference_run"] == "bf16" and finals["bf16_repeat"]["role"].startswith("noise: repeat")
     assert all(r["value"] == canned.final_validation_loss and r["same_validation_set"] for r in finals.values())
     assert all(r["validation_sha256"] == canned.validation_sha256 for r in finals.values())
     done = {r["case"]: r["value"] for r in results if r["metric"] == "iterations completed"}
     assert done == {name: canned.last_iteration for name in finals}
-    assert len(curves) == 2 * len(canned.points) and len({r["run"] for r in results + curves}) == 1
-    assert (tmp_path / "runs" / "bf16_init2" / "train_node0.log").exists()
-    png = tmp_path / "plot.png"
+    assert len(curves) == 3 * len(canned.points) and len({r["run"] for r in results + curves}) == 1
+    assert (root / "runs" / "bf16_init2" / "train_node0.log").exists()
+    png = root / "plot.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -216,9 +244,9 @@ def test_sigterm_stops_the_runs_and_writes_their_rows(tmp_path, monkeypatch, sma
     assert json.loads((runs / "corpus.json").read_text())["sha256"] == small_corpus["sha256"]
 
 
-def test_from_logs_writes_the_rows_of_a_normal_finish(tmp_path, monkeypatch, small_corpus, capsys):
-    code = f"print(open({str(LOG)!r}).read())"
-    assert _harness(tmp_path, monkeypatch, code, "--runs", "bf16,bf16_repeat,bf16_init2", "--iters", "6") == 0
+def test_from_logs_writes_the_rows_of_a_normal_finish(tmp_path, monkeypatch, finished, capsys):
+    assert finished.status == 0
+    shutil.copytree(finished.root, tmp_path, dirs_exist_ok=True)  # its corpus, runs and rows
     for suffix in (".bin", ".idx", ".json"):  # the corpus is gone: its record comes from the out dir's copy
         Path(f"{tmp_path / 'corpus' / 'text'}{suffix}").unlink()
     monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "reread"))
@@ -272,18 +300,18 @@ def test_reference_from_another_invocation(tmp_path, monkeypatch, capsys, same_v
                          rf"set \(sha256 f{{16}}\) is not this run's \({canned.validation_sha256[:16]}\)\.", out)
 
 
-def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, small_corpus, capsys):
+def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, finished, capsys):
     """A call that trains only candidate runs gets its comparisons from the stored rows of a BF16
     run of the same data order, validation set and corpus; a run with no such row gets none."""
-    code = f"print(open({str(LOG)!r}).read())"
-    assert _harness(tmp_path, monkeypatch, code, "--runs", "bf16", "--iters", "6") == 0
+    assert finished.status == 0
+    shutil.copytree(finished.root, tmp_path, dirs_exist_ok=True)  # the earlier call's corpus and rows
     stored = tmp_path / "results"
     (earlier, _), canned = _rows(stored), convergence_log.parse_log(LOG.read_text())
     bf16_final = next(r for r in earlier if r["case"] == "bf16" and r["metric"] == "final validation loss (whole split)")
     # Both runs print the same canned log: make the stored BF16 loss differ, so that the rows show which is which.
     bf16_final["value"] = bf16_final["reference_value"] = bf16_final["value"] + 0.125
     (stored / "convergence.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
-    monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "later"))
+    _stand_ins(monkeypatch, PRINT_THE_LOG, tmp_path / "later")
     assert harness.main(["--corpus", str(tmp_path / "corpus" / "text"), "--out-dir", str(tmp_path / "runs2"),
                          "--poll-s", "0.5", "--runs", "", "--iters", "6", "--run", "bf16_lr bf16 1234 --lr 2e-3",
                          "--run", "bf16_other_order bf16 1234 data_seed=77 --lr 2e-3",
@@ -298,11 +326,11 @@ def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, small_co
     assert final["reference_value"] == bf16_final["value"] and final["value"] == canned.final_validation_loss
     assert final["same_validation_set"] and rows.row_problems(final) == []
     # The reference's curve (its largest rise, the curve rows) is the BF16 run's logged losses, from its rows.
-    reference = convergence_rows.stored_reference(stored, 1234, 6, canned.validation_sha256, small_corpus["sha256"])
+    reference = convergence_rows.stored_reference(stored, 1234, 6, canned.validation_sha256, finished.corpus["sha256"])
     assert [(p.iteration, p.lm_loss) for p in reference.log.points] == [(p.iteration, p.lm_loss) for p in canned.points]
     for order, iters, validation in ((1234, 6, "0" * 64), (1234, 2000, canned.validation_sha256),
                                      (5678, 6, canned.validation_sha256)):
-        assert convergence_rows.stored_reference(stored, order, iters, validation, small_corpus["sha256"]) is None
+        assert convergence_rows.stored_reference(stored, order, iters, validation, finished.corpus["sha256"]) is None
     assert "tokens per second (GPU shared by all runs)" not in {r["metric"] for r in results}
     assert {r["case"] for r in curves} == {"bf16_lr"} and len(curves) == len(canned.points)
     assert "bf16_other_order: no plain BF16 run of data order 77 and 6 iterations on its validation set in the rows" in out
