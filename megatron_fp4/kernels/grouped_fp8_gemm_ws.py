@@ -142,8 +142,9 @@ def _consumer(a_bufs, b_bufs, ready, released, row_scale_slots, block_scale_slot
                 product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
                 mbarrier.arrive(released.index(stage), count=1)
                 acc = acc + product * scale[:, None]
+                # Every thread has read the slot before it is refilled, in this tile or the next.
+                _partition_barrier()
                 if NUM_K > SCALE_STAGES:
-                    _partition_barrier()  # every thread has read the slot before it is refilled
                     _fetch_scales(row_scale_slots, block_scale_slots, slot, a_scale_ptrs, b_scale_ptrs,
                                   k_block + SCALE_STAGES, num_rows, NUM_K)
                 else:
