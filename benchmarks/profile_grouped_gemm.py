@@ -13,14 +13,13 @@ number of rows, a multiple of 128 (no partly filled row tiles).
 """
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
 from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS
-from benchmarks.bench_grouped_gemm import FFN, HIDDEN, ROUTED_ROWS
+from benchmarks.bench_grouped_gemm import FFN, HIDDEN, ROUTED_ROWS, tflops, wall_ms
 from benchmarks.common import ragged_counts
 
 # (N, K) of each forward / data-gradient GEMM at DeepSeek-V3's expert shapes.
@@ -67,17 +66,9 @@ def main(argv=None) -> int:
     for experts in args.experts:
         calls = _calls(n, k, _counts(experts, args.even))
         for variant in args.variants:
-            call = calls[variant]
-            for _ in range(args.warmup):
-                call()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.repeat):
-                call()
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - start) * 1e3 / args.repeat
+            ms = wall_ms(calls[variant], args.repeat, args.warmup)
             print(f"{args.gemm} experts={experts}{' even' if args.even else ''} {variant}: {ms:.3f} ms, "
-                  f"{2.0 * ROUTED_ROWS * n * k / ms / 1e9:.0f} TFLOP/s")
+                  f"{tflops(2.0 * ROUTED_ROWS * n * k, ms):.0f} TFLOP/s")
     return 0
 
 
