@@ -50,7 +50,7 @@ def summarize(rows: List[dict], config: str, iters: int) -> SettingSummary:
         if _counted(row, iters) and row.get("config") == config and not row.get("flags"):
             by_seed.setdefault(row["seed"], []).append(row)
     if not by_seed:
-        raise ValueError(f"no finished {iters}-iteration rows of {config} compared with BF16")
+        raise ValueError(f"no finished {iters}-iteration rows of {config} compared with BF16; check --configs and --iters")
     seeds = [SeedResult(seed, runs[-1]["ratio"] - 1.0, runs[-1]["commit"], len(runs)) for seed, runs in by_seed.items()]
     deviations = [s.deviation for s in seeds]
     sd = statistics.stdev(deviations) if len(deviations) > 1 else math.nan
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     path = args.results / "convergence.jsonl"
     if not path.exists():
-        raise SystemExit(f"convergence_seeds: {path} does not exist")
+        raise SystemExit(f"convergence_seeds: {path} does not exist; point --results at the folder of convergence.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     try:
         print(table([summarize(rows, config, args.iters) for config in args.configs]))
