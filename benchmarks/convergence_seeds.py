@@ -8,6 +8,11 @@ the given number of iterations. Where a seed of a setting has several rows (a re
 seed on later code), the latest row stands for the seed; the table says which commit that is and how
 many rows the seed has.
 
+Beside it, from the same run's curve (convergence_curves.jsonl): the training loss's deviation from
+the BF16 run's at the same iteration, averaged over the second half of the iterations. Both runs
+train on the same batches in the same order, so this average is free of the batches' own noise
+(it still moves with the run's trajectory: a BF16 run repeated moves it too).
+
     python -m benchmarks.convergence_seeds                          # fp8.yaml and fp4.yaml, 2000 iterations
     python -m benchmarks.convergence_seeds --configs fp4.yaml fp4_bf16_grads.yaml
 """
@@ -17,7 +22,7 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Sequence
 
 from benchmarks.convergence_rows import FINAL_LOSS
 
@@ -27,14 +32,20 @@ class SeedResult(NamedTuple):
     deviation: float  # the run's final validation loss over its BF16 run's, minus one
     commit: str  # of the row standing for the seed
     rows: int  # rows of this setting and seed
+    training_deviation: float  # the second half's mean training loss ratio to BF16's, minus one (nan: no curve)
+
+
+class Spread(NamedTuple):
+    mean: float
+    sd: float  # sample standard deviation over seeds (nan with one seed)
+    se: float  # standard error of the mean
 
 
 class SettingSummary(NamedTuple):
     config: str
     seeds: List[SeedResult]
-    mean: float
-    sd: float  # sample standard deviation over seeds (nan with one seed)
-    se: float  # standard error of the mean
+    final: Spread  # of the final validation deviations
+    training: Spread  # of the training deviations (over the seeds that have a curve)
 
 
 def _counted(row: dict, iters: int) -> bool:
@@ -42,46 +53,87 @@ def _counted(row: dict, iters: int) -> bool:
             and row.get("status") == "finished" and row.get("iters") == iters)
 
 
-def summarize(rows: List[dict], config: str, iters: int) -> SettingSummary:
+def training_deviation(curves: List[dict], row: dict, iters: int) -> float:
+    """The mean over iterations past iters / 2 of the training loss ratio to BF16's, minus one, in
+    the curve of `row`'s run (same harness run and run name); nan when there is no such curve."""
+    ratios = [point["ratio"] for point in curves
+              if point.get("run") == row.get("run") and point.get("case") == row.get("case")
+              and point.get("role") == "compared" and point["iteration"] > iters // 2]
+    return statistics.fmean(ratios) - 1.0 if ratios else math.nan
+
+
+def _spread(values: List[float]) -> Spread:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return Spread(math.nan, math.nan, math.nan)
+    sd = statistics.stdev(values) if len(values) > 1 else math.nan
+    return Spread(statistics.fmean(values), sd, sd / math.sqrt(len(values)))
+
+
+def summarize(rows: List[dict], config: str, iters: int, curves: Sequence[dict] = ()) -> SettingSummary:
     """The summary of one setting (a config file name, e.g. "fp4.yaml") over the rows given in the
-    order they were written."""
+    order they were written, with the training deviations from `curves` (convergence_curves rows)."""
     by_seed: Dict[int, List[dict]] = {}
     for row in rows:
         if _counted(row, iters) and row.get("config") == config and not row.get("flags"):
             by_seed.setdefault(row["seed"], []).append(row)
     if not by_seed:
         raise ValueError(f"no finished {iters}-iteration rows of {config} compared with BF16; check --configs and --iters")
-    seeds = [SeedResult(seed, runs[-1]["ratio"] - 1.0, runs[-1]["commit"], len(runs)) for seed, runs in by_seed.items()]
-    deviations = [s.deviation for s in seeds]
-    sd = statistics.stdev(deviations) if len(deviations) > 1 else math.nan
-    return SettingSummary(config, seeds, statistics.fmean(deviations), sd, sd / math.sqrt(len(deviations)))
+    curves = list(curves)
+    seeds = [SeedResult(seed, runs[-1]["ratio"] - 1.0, runs[-1]["commit"], len(runs),
+                        training_deviation(curves, runs[-1], iters)) for seed, runs in by_seed.items()]
+    return SettingSummary(config, seeds, _spread([s.deviation for s in seeds]),
+                          _spread([s.training_deviation for s in seeds]))
 
 
 def table(summaries: List[SettingSummary]) -> str:
-    """A markdown table: one line per setting, deviations in percent, spreads in points."""
-    lines = ["| setting | seed: deviation from BF16 (commit, rows) | mean | standard deviation | standard error |",
-             "| --- | --- | ---: | ---: | ---: |"]
-    for s in summaries:
-        seeds = ", ".join(f"{r.seed}: {100 * r.deviation:+.2f}% ({r.commit}, {r.rows})" for r in s.seeds)
-        lines.append(f"| {s.config} | {seeds} | {100 * s.mean:+.2f}% | {100 * s.sd:.2f} | {100 * s.se:.2f} |")
-    return "\n".join(lines)
+    """Two markdown tables, one line per setting, deviations in percent, spreads in points: the final
+    validation deviations, then the training deviations of the same runs."""
+    lines = []
+    for title, of_seed, spread_of in (
+            ("final validation loss", lambda r: r.deviation, lambda s: s.final),
+            ("training loss, second half", lambda r: r.training_deviation, lambda s: s.training)):
+        lines += [f"| setting | seed: {title} vs BF16 (commit, rows) | mean | standard deviation | standard error |",
+                  "| --- | --- | ---: | ---: | ---: |"]
+        for s in summaries:
+            seeds = ", ".join(f"{r.seed}: {_percent(of_seed(r))} ({r.commit}, {r.rows})" for r in s.seeds)
+            spread = spread_of(s)
+            lines.append(f"| {s.config} | {seeds} | {_percent(spread.mean)} | {_points(spread.sd)} | "
+                         f"{_points(spread.se)} |")
+        lines.append("")
+    return "\n".join(lines[:-1])
+
+
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:+.2f}%"
+
+
+def _points(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:.2f}"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", type=Path, default=Path("benchmarks/results"), help="folder of convergence.jsonl")
+    p.add_argument("--results", type=Path, default=Path("benchmarks/results"),
+                   help="folder of convergence.jsonl (and convergence_curves.jsonl, for the training deviations)")
     p.add_argument("--configs", nargs="+", default=["fp8.yaml", "fp4.yaml"], help="settings (config file names)")
     p.add_argument("--iters", type=int, default=2000)
     args = p.parse_args(argv)
     path = args.results / "convergence.jsonl"
     if not path.exists():
         raise SystemExit(f"convergence_seeds: {path} does not exist; point --results at the folder of convergence.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = _rows(path)
+    curves_path = args.results / "convergence_curves.jsonl"
+    curves = _rows(curves_path) if curves_path.exists() else []
     try:
-        print(table([summarize(rows, config, args.iters) for config in args.configs]))
+        print(table([summarize(rows, config, args.iters, curves) for config in args.configs]))
     except ValueError as error:
         raise SystemExit(f"convergence_seeds: {error}")
     return 0
+
+
+def _rows(path: Path) -> List[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """benchmarks/convergence_seeds.py on synthetic convergence rows: which rows count, the latest row of a
-seed stands for it, and the spread over seeds."""
+seed stands for it, the spread over seeds, and the training deviation from the run's curve."""
 
 import json
 import math
@@ -12,7 +12,8 @@ from benchmarks.convergence_rows import FINAL_LOSS
 
 def _row(config, seed, ratio, commit, **changes):
     row = {"bench": "convergence", "metric": FINAL_LOSS, "role": "compared", "status": "finished", "iters": 2000,
-           "config": config, "flags": [], "seed": seed, "ratio": ratio, "commit": commit}
+           "config": config, "flags": [], "seed": seed, "ratio": ratio, "commit": commit, "run": f"t-{commit}",
+           "case": f"{config}-{seed}"}
     row.update(changes)
     return row
 
@@ -33,14 +34,33 @@ def test_the_latest_row_of_each_seed_counts_and_the_spread_is_over_seeds():
     s = cs.summarize(ROWS, "fp4.yaml", 2000)
     assert [(r.seed, r.commit, r.rows) for r in s.seeds] == [(1, "bbb", 2), (2, "aaa", 1)]
     assert s.seeds[0].deviation == pytest.approx(0.004) and s.seeds[1].deviation == pytest.approx(0.002)
-    assert s.mean == pytest.approx(0.003)
-    assert s.sd == pytest.approx(math.sqrt(2) * 0.001)
-    assert s.se == pytest.approx(0.001)
+    assert s.final.mean == pytest.approx(0.003)
+    assert s.final.sd == pytest.approx(math.sqrt(2) * 0.001)
+    assert s.final.se == pytest.approx(0.001)
+    assert all(math.isnan(r.training_deviation) for r in s.seeds) and math.isnan(s.training.mean)  # no curves
+
+
+def _curve(run, case, ratios, role="compared"):
+    return [{"run": run, "case": case, "role": role, "iteration": 10 * (i + 1), "ratio": ratio}
+            for i, ratio in enumerate(ratios)]
+
+
+def test_the_training_deviation_is_the_second_half_of_the_standing_rows_curve():
+    """Only the curve of the row standing for the seed (its harness run and name) counts, only past
+    iters / 2, and only as compared with BF16."""
+    curves = (_curve("t-bbb", "fp4.yaml-1", [1.5] * 100 + [1.002, 1.004] * 50)  # iterations 10..2000
+              + _curve("t-aaa", "fp4.yaml-1", [1.9] * 200)  # the earlier row of seed 1: not standing
+              + _curve("t-bbb", "fp4.yaml-1", [1.9] * 200, role="reference")
+              + _curve("t-aaa", "fp4.yaml-2", [1.0] * 100 + [0.999] * 100))
+    s = cs.summarize(ROWS, "fp4.yaml", 2000, curves)
+    assert [r.training_deviation for r in s.seeds] == pytest.approx([0.003, -0.001])
+    assert s.training.mean == pytest.approx(0.001) and s.training.sd == pytest.approx(math.sqrt(2) * 0.002)
+    assert math.isnan(cs.summarize(ROWS, "fp8.yaml", 2000, curves).seeds[0].training_deviation)  # no curve of its own
 
 
 def test_one_seed_has_no_spread_and_a_setting_without_rows_is_refused():
     s = cs.summarize(ROWS, "fp8.yaml", 2000)
-    assert s.mean == pytest.approx(0.003) and math.isnan(s.sd) and math.isnan(s.se)
+    assert s.final.mean == pytest.approx(0.003) and math.isnan(s.final.sd) and math.isnan(s.final.se)
     with pytest.raises(ValueError, match="no finished 2000-iteration rows of bf16.yaml"):
         cs.summarize(ROWS, "bf16.yaml", 2000)
 
@@ -50,6 +70,11 @@ def test_command_prints_the_table(tmp_path, capsys):
     assert cs.main(["--results", str(tmp_path), "--configs", "fp4.yaml"]) == 0
     out = capsys.readouterr().out
     assert "| fp4.yaml | 1: +0.40% (bbb, 2), 2: +0.20% (aaa, 1) | +0.30% | 0.14 | 0.10 |" in out
+    assert "| fp4.yaml | 1: - (bbb, 2), 2: - (aaa, 1) | - | - | - |" in out  # no curves file
+    curves = _curve("t-bbb", "fp4.yaml-1", [1.0] * 100 + [1.01] * 100)
+    (tmp_path / "convergence_curves.jsonl").write_text("".join(json.dumps(point) + "\n" for point in curves))
+    assert cs.main(["--results", str(tmp_path), "--configs", "fp4.yaml"]) == 0
+    assert "| fp4.yaml | 1: +1.00% (bbb, 2), 2: - (aaa, 1) | +1.00% | - | - |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="does not exist"):
         cs.main(["--results", str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="no finished"):
