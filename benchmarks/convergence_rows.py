@@ -22,7 +22,8 @@ class StoredReference(NamedTuple):
     origin: str  # which rows: "commit C, run R"
 
 
-def _rows(path: Path) -> List[dict]:
+def read_rows(path: Path) -> List[dict]:
+    """The rows of a .jsonl file, none when it does not exist."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
@@ -34,14 +35,14 @@ def stored_reference(results: Path, data_order: int, iters: int, validation_sha2
     a short run of the same seed shares it, hence the iterations.)"""
     if validation_sha256 is None:
         return None
-    finals = [row for row in _rows(results / "convergence.jsonl")
+    finals = [row for row in read_rows(results / "convergence.jsonl")
               if row["metric"] == FINAL_LOSS and row.get("role") == "reference" and row.get("seed") == data_order
               and row.get("iters") == iters and row.get("validation_sha256") == validation_sha256
               and row.get("corpus_sha256") == corpus_sha256]
     if not finals:
         return None
     final = max(finals, key=lambda row: row["run"])
-    curve = sorted((row["iteration"], row["value"]) for row in _rows(results / "convergence_curves.jsonl")
+    curve = sorted((row["iteration"], row["value"]) for row in read_rows(results / "convergence_curves.jsonl")
                    if row["case"] == final["case"] and row["run"] == final["run"] and row["metric"] == "lm loss")
     log = RunLog(points=[Point(iteration, loss) for iteration, loss in curve], total_iterations=final.get("iters"),
                  final_validation_loss=final["value"], validation_samples=final.get("validation_samples"),

@@ -18,13 +18,13 @@ train on the same batches in the same order, so this average is free of the batc
 """
 
 import argparse
-import json
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Sequence
 
-from benchmarks.convergence_rows import FINAL_LOSS
+from benchmarks.convergence_rows import FINAL_LOSS, read_rows
 
 
 class SeedResult(NamedTuple):
@@ -122,18 +122,16 @@ def main(argv=None) -> int:
     path = args.results / "convergence.jsonl"
     if not path.exists():
         raise SystemExit(f"convergence_seeds: {path} does not exist; point --results at the folder of convergence.jsonl")
-    rows = _rows(path)
+    rows = read_rows(path)
     curves_path = args.results / "convergence_curves.jsonl"
-    curves = _rows(curves_path) if curves_path.exists() else []
+    if not curves_path.exists():
+        print(f"convergence_seeds: no {curves_path}: the training deviations are not known ('-')", file=sys.stderr)
+    curves = read_rows(curves_path)
     try:
         print(table([summarize(rows, config, args.iters, curves) for config in args.configs]))
     except ValueError as error:
         raise SystemExit(f"convergence_seeds: {error}")
     return 0
-
-
-def _rows(path: Path) -> List[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 if __name__ == "__main__":

@@ -68,8 +68,9 @@ def test_one_seed_has_no_spread_and_a_setting_without_rows_is_refused():
 def test_command_prints_the_table(tmp_path, capsys):
     (tmp_path / "convergence.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
     assert cs.main(["--results", str(tmp_path), "--configs", "fp4.yaml"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "| fp4.yaml | 1: +0.40% (bbb, 2), 2: +0.20% (aaa, 1) | +0.30% | 0.14 | 0.10 |" in out
+    assert "training deviations are not known" in err
     assert "| fp4.yaml | 1: - (bbb, 2), 2: - (aaa, 1) | - | - | - |" in out  # no curves file
     curves = _curve("t-bbb", "fp4.yaml-1", [1.0] * 100 + [1.01] * 100)
     (tmp_path / "convergence_curves.jsonl").write_text("".join(json.dumps(point) + "\n" for point in curves))
