@@ -36,6 +36,11 @@ from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
 
 HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768
+# (N, K) of each expert GEMM: forward and data gradient multiply rows by the experts' weights, the
+# weight gradient two column-wise operands ([N, tokens] and [K, tokens]).
+ROWS_GEMMS = {"fc1_fprop": (2 * FFN, HIDDEN), "fc2_fprop": (HIDDEN, FFN), "fc1_dgrad": (HIDDEN, 2 * FFN),
+              "fc2_dgrad": (FFN, HIDDEN)}
+WGRAD_GEMMS = {"fc1_wgrad": (2 * FFN, HIDDEN), "fc2_wgrad": (HIDDEN, FFN)}
 
 def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
     """The default first, then (block_m, warps, stages, group_m, row_halves, tma) candidates."""
@@ -124,15 +129,26 @@ def _per_expert_loop(rows, weights, counts) -> Callable[[], None]:
     return run
 
 
+def rows_operands(m_counts: torch.Tensor, n: int, k: int):
+    """(rows, weights, offsets, the BF16 weights) of a forward / data-gradient GEMM: random X [M, K]
+    in 1x128 blocks, W [E, N, K] in 128x128 blocks, the segment offsets on the GPU."""
+    w = torch.randn(m_counts.numel(), n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    rows = K.quantize_fp8_rows(torch.randn(int(m_counts.sum()), k, device="cuda", dtype=torch.bfloat16))
+    return rows, K.quantize_fp8_weights_stacked(list(w)), _offsets(m_counts), w
+
+
+def cols_operands(m_counts: torch.Tensor, n: int, k: int):
+    """(dY^T, X^T) of a weight-gradient GEMM: random, column-wise in 1x128 blocks along the tokens."""
+    m, counts = int(m_counts.sum()), m_counts.cuda()
+    return tuple(K.quantize_fp8_cols(torch.randn(m, width, device="cuda", dtype=torch.bfloat16), counts)
+                 for width in (n, k))
+
+
 def rows_gemm_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
                    record: Callable[..., None]) -> None:
     """fprop / dgrad: X [M, K] (1x128) times W_e^T, W [E, N, K] (128x128)."""
     experts, m = m_counts.numel(), int(m_counts.sum())
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    rows = K.quantize_fp8_rows(x)
-    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    weights = K.quantize_fp8_weights_stacked(list(w))
-    offsets = _offsets(m_counts)
+    rows, weights, offsets, w = rows_operands(m_counts, n, k)
     flops = 2.0 * m * n * k
 
     ours = swept(name, experts, sweep, flops, iters,
@@ -159,10 +175,7 @@ def wgrad_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[Ge
                record: Callable[..., None]) -> None:
     """wgrad: dW_e [N, K] = dY_e^T X_e, both colwise (1x128 along tokens)."""
     experts, m = m_counts.numel(), int(m_counts.sum())
-    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    counts = m_counts.cuda()
-    grad_cols, x_cols = K.quantize_fp8_cols(grad, counts), K.quantize_fp8_cols(x, counts)
+    grad_cols, x_cols = cols_operands(m_counts, n, k)
     flops = 2.0 * m * n * k
 
     ours = swept(name, experts, sweep, flops, iters, lambda tiles: K.grouped_wgrad(grad_cols, x_cols, tiles=tiles))
@@ -211,12 +224,10 @@ def main(argv=None) -> int:
     for experts in args.experts:
         counts = ragged_counts(ROUTED_ROWS, experts, seed=experts)
         print(f"E={experts}: counts {counts.tolist()}")
-        rows_gemm_case("fc1_fprop", counts, 2 * FFN, HIDDEN, rows_sweep, args.iters, record)
-        rows_gemm_case("fc2_fprop", counts, HIDDEN, FFN, rows_sweep, args.iters, record)
-        rows_gemm_case("fc1_dgrad", counts, HIDDEN, 2 * FFN, rows_sweep, args.iters, record)
-        rows_gemm_case("fc2_dgrad", counts, FFN, HIDDEN, rows_sweep, args.iters, record)
-        wgrad_case("fc1_wgrad", counts, 2 * FFN, HIDDEN, wgrad_sweep, args.iters, record)
-        wgrad_case("fc2_wgrad", counts, HIDDEN, FFN, wgrad_sweep, args.iters, record)
+        for name, (n, k) in ROWS_GEMMS.items():
+            rows_gemm_case(name, counts, n, k, rows_sweep, args.iters, record)
+        for name, (n, k) in WGRAD_GEMMS.items():
+            wgrad_case(name, counts, n, k, wgrad_sweep, args.iters, record)
     print("| GEMM | local experts | ours TFLOP/s | dense scaled_mm | grouped_mm BF16 | per-expert scaled_mm | tiles |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(table))

@@ -19,12 +19,9 @@ import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
 from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS
-from benchmarks.bench_grouped_gemm import FFN, HIDDEN, ROUTED_ROWS, tflops, wall_ms
+from benchmarks.bench_grouped_gemm import ROUTED_ROWS, ROWS_GEMMS, rows_operands, tflops, wall_ms
 from benchmarks.common import ragged_counts
 
-# (N, K) of each forward / data-gradient GEMM at DeepSeek-V3's expert shapes.
-SHAPES = {"fc1_fprop": (2 * FFN, HIDDEN), "fc2_fprop": (HIDDEN, FFN), "fc1_dgrad": (HIDDEN, 2 * FFN),
-          "fc2_dgrad": (FFN, HIDDEN)}
 VARIANTS = ("dense", "triton", "ws")
 
 
@@ -38,10 +35,7 @@ def _counts(experts: int, even: bool) -> torch.Tensor:
 
 def _calls(n: int, k: int, counts: torch.Tensor):
     """The variants' zero-argument calls over the same random operands."""
-    experts, m = counts.numel(), int(counts.sum())
-    rows = K.quantize_fp8_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-    weights = K.quantize_fp8_weights_stacked(list(torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02))
-    offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).cuda()
+    rows, weights, offsets, _ = rows_operands(counts, n, k)
     b, sb = weights[0].scaled_mm_operand()
     return {
         "dense": lambda: F.scaled_mm(rows.data, b, rows.block_scales.t(), F.ScalingType.BlockWise1x128, sb,
@@ -53,7 +47,7 @@ def _calls(n: int, k: int, counts: torch.Tensor):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gemm", choices=sorted(SHAPES), default="fc1_fprop")
+    p.add_argument("--gemm", choices=sorted(ROWS_GEMMS), default="fc1_fprop")
     p.add_argument("--experts", type=int, nargs="+", default=[1, 32])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--even", action="store_true", help="equal expert sizes, multiples of 128")
@@ -62,7 +56,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_grouped_gemm needs a CUDA GPU (SM90)")
-    n, k = SHAPES[args.gemm]
+    n, k = ROWS_GEMMS[args.gemm]
     for experts in args.experts:
         calls = _calls(n, k, _counts(experts, args.even))
         for variant in args.variants:
