@@ -37,7 +37,7 @@ ENTRY_POINTS = ("grouped_gemm_by_weight", "grouped_wgrad", "DEFAULT_ROWS_TILES",
 def load_baseline(path: Path) -> ModuleType:
     """The module of `path` (a copy of kernels/grouped_fp8_gemm.py) inside megatron_fp4.kernels."""
     if not path.is_file():
-        raise SystemExit(f"ab_grouped_gemm: no baseline file {path}; write one with "
+        raise SystemExit(f"ab_grouped_gemm: --baseline {path} is not a file; write one with "
                          "`git show C:megatron_fp4/kernels/grouped_fp8_gemm.py > FILE`")
     spec = importlib.util.spec_from_file_location(BASELINE_MODULE, path)
     module = importlib.util.module_from_spec(spec)
