@@ -58,6 +58,9 @@ RECOMPUTED_BY = {
 class Storage(enum.StrEnum):
     """Where activations saved for backward are kept in MXFP4."""
 
+    # Nowhere inexact: the routed FP8 experts keep the received payload (exact FP4 values) but their
+    # SwiGLU input in BF16 and fc2 input as FP8 columns, as the FP8 baseline and recompute keep them
+    NONE = "none"
     EXPERTS = "experts"  # inside the routed FP8 experts only (their SwiGLU and fc2 inputs)
     ALL = "all"  # the paper's recipe: also every FP8 linear's saved input and every SwiGLU input
 
@@ -187,8 +190,11 @@ FLAGS = (
          "under core_attn recompute); the same parameters and checkpoint keys as Megatron's local linears). "
          "Tensor parallelism 1 and --transformer-impl local only.", LinearsPrecision),
     Flag("storage", "Where activations kept for backward are stored in MXFP4: experts (inside the routed FP8 "
-         "experts only, fed from the MXFP4 dispatch: their SwiGLU and fc2 inputs) or all (the paper's recipe: "
-         "also the saved input of every FP8 linear and the SwiGLU inputs of the dense MLP and shared experts). "
+         "experts only, fed from the MXFP4 dispatch: their SwiGLU and fc2 inputs), all (the paper's recipe: "
+         "also the saved input of every FP8 linear and the SwiGLU inputs of the dense MLP and shared experts) or "
+         "none (the FP8 experts fed from the dispatch keep its exact MXFP4 payload but their SwiGLU input in BF16 "
+         "and fc2 input as FP8 columns, as without the MXFP4 dispatch: more memory, no MXFP4 rounding in "
+         "backward; the FP8 linears save FP8). "
          "Modules that Megatron recomputes "
          "(--recompute-modules mla_up_proj, mlp, shared_experts, moe, or full recompute) keep FP8 / BF16 there: "
          "nothing inside a recomputation is stored in FP4; under --recompute-modules layernorm the layers that "
@@ -448,6 +454,10 @@ REFUSALS = (
             lambda o, m, e, r: o.linears_grad is GradFormat.BF16 and not _fp8_linears(o),
             "--moe-fp4-linears-grad is about the backward of --moe-fp4-linears fp8: add --moe-fp4-linears fp8 or "
             "drop it."),
+    Refusal("--moe-fp4-storage none without the MXFP4 dispatch into FP8 experts",
+            lambda o, m, e, r: o.storage is Storage.NONE and not (o.dispatch and _fp8_experts(o)),
+            "--moe-fp4-storage none changes what FP8 experts fed from the MXFP4 dispatch keep for backward: it "
+            "needs --moe-fp4-dispatch and --moe-fp4-experts fp8 (without them nothing is kept in MXFP4)."),
     Refusal("--moe-fp4-storage all without FP8 linears and FP8 experts",
             lambda o, m, e, r: o.storage is Storage.ALL and not (_fp8_linears(o) and _fp8_experts(o)),
             "--moe-fp4-storage all is the paper's whole recipe: it needs --moe-fp4-linears fp8 and "

@@ -48,7 +48,7 @@ class Precision:
     fp8_recipe: str  # Transformer Engine's scaling recipe ("blockwise", "delayed", ...); unused without fp8
     fp8_weight_bytes: float  # bytes/element of one Transformer Engine FP8 copy of a weight
     fp4_dispatch: bool  # the dispatch all-to-all carries MXFP4 rows
-    fp4_experts: bool  # expert activations (dispatched tokens, SwiGLU input, fc2 input) kept in MXFP4
+    fp4_experts: bool  # our FP8 experts keep their SwiGLU and fc2 inputs in MXFP4 (not under storage none)
     fp4_cache: bool  # with `moe` recompute, the received MXFP4 payload is kept for the recompute
     grad_wire: str  # format of the dispatch gradient all-to-all: "bf16" or "fp8"
     fp4_expert_input: bool = False  # the experts' saved input (dispatched tokens) kept in MXFP4
@@ -136,7 +136,7 @@ def precision_of(args, mode: str = "recipe") -> Precision:
         fp8_recipe=recipe,
         fp8_weight_bytes=weight,
         fp4_dispatch=fp4,
-        fp4_experts=fp4 and ours_experts,
+        fp4_experts=fp4 and ours_experts and flags["storage"] != "none",
         fp4_cache=fp4 and flags["cache"],
         fp4_expert_input=fp4 and (ours_experts or saved_input),
         grad_wire=getattr(args, "moe_fp4_dispatch_grad", "bf16") if fp4 else "bf16",

@@ -14,7 +14,7 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from .checkpoint_format import check_optimizer_checkpoint_format
-from ..options import ExpertsPrecision, FP4Options, ModelSettings, Route, validate
+from ..options import ExpertsPrecision, FP4Options, ModelSettings, Route, Storage, validate
 from ..recompute_scope import recomputed_by
 from ..telemetry import Telemetry
 from ..tensors import MXFP4Tensor
@@ -37,8 +37,9 @@ class FP8Experts(SequentialMLP):
         # The MXFP4 rule for the activations these experts save (the payload brings its own).
         self.scale_rule = options.scale_rule
         self.weight_cache = None if options.weights_per_use else FP8WeightCache()
-        # Under `moe` recompute the experts run inside Megatron's checkpoint: no inexact FP4 there.
-        self.fp4_activations = not recomputed_by(frozenset({"moe"}), config)
+        # Under `moe` recompute the experts run inside Megatron's checkpoint: no inexact FP4 there;
+        # --moe-fp4-storage none asks for none anywhere.
+        self.fp4_activations = options.storage is not Storage.NONE and not recomputed_by(frozenset({"moe"}), config)
         self.gemms = gemms  # the benchmarks compare both; a spec builds the default
 
     def _run_weight_holders_pre_hooks(self) -> None:

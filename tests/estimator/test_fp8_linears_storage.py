@@ -84,6 +84,22 @@ def test_storage_all_keeps_every_linear_and_swiglu_input_in_mxfp4():
     assert components(FP4_ALL, "recipe") == c == components({"moe_fp4_dispatch": True}, "recipe")
 
 
+def test_storage_none_keeps_the_payload_and_the_fp8_baselines_expert_activations():
+    """--moe-fp4-storage none: the received payload stays (exact), the experts' SwiGLU input is BF16
+    and their fc2 input FP8 1x128, the linears' inputs FP8, as in the FP8 baseline; its memory cost
+    over --moe-fp4-storage experts is those two expert activations."""
+    none = components({**FP8_LINEARS, "moe_fp4_dispatch": True, "moe_fp4_storage": "none"})
+    experts = components({**FP8_LINEARS, "moe_fp4_dispatch": True, "moe_fp4_storage": "experts"})
+    assert none["moe.expert_fc1_in"] == MOE_LAYERS * ROWS * mxfp4_row(H)
+    assert none["moe.expert_fc1_out"] == MOE_LAYERS * ROWS * 2 * MOE_FFN * 2
+    assert none["moe.expert_fc2_in"] == MOE_LAYERS * ROWS * fp8_row(MOE_FFN)
+    assert experts["moe.expert_fc1_out"] == MOE_LAYERS * ROWS * mxfp4_row(2 * MOE_FFN)
+    assert none["dense.qkv_in"] == experts["dense.qkv_in"] == T * fp8_row(H)
+    extra = {k: none[k] - experts[k] for k in none if none[k] != experts.get(k)}
+    assert set(extra) == {f"{layer}.expert_{name}" for layer in ("moe", "mtp") for name in ("fc1_out", "fc2_in")}
+    assert extra["moe.expert_fc2_in"] == MOE_LAYERS * ROWS * (fp8_row(MOE_FFN) - mxfp4_row(MOE_FFN))
+
+
 def test_nothing_in_fp4_inside_a_recomputation():
     """Recomputed modules save only the checkpoint's input in the first pass; in backward their
     recompute restores FP8 linear inputs and BF16 SwiGLU inputs, not MXFP4."""

@@ -44,12 +44,15 @@ def _experts_builder(kind: str):
 
 def _build(pg_collection, device, kind="fp8", seed=3, **overrides):
     torch.manual_seed(seed)
-    experts = _experts_builder(kind)(EXPERTS, _config(**overrides), pg_collection=pg_collection).to(device)
-    # Megatron initializes weights with std 0.02; spread them over a few binades so that the
-    # 128x128 blocks get different scales.
+    return _spread_weights(_experts_builder(kind)(EXPERTS, _config(**overrides), pg_collection=pg_collection).to(device))
+
+
+def _spread_weights(experts):
+    """Megatron initializes weights with std 0.02; spread them over a few binades so that the
+    128x128 blocks get different scales."""
     with torch.no_grad():
         for p in experts.parameters():
-            p.mul_(torch.exp2(torch.randint(-3, 4, p.shape[:1], device=device).float()).unsqueeze(1).to(p.dtype))
+            p.mul_(torch.exp2(torch.randint(-3, 4, p.shape[:1], device=p.device).float()).unsqueeze(1).to(p.dtype))
     return experts
 
 
@@ -198,11 +201,20 @@ def test_fp8_baseline_saves_fp8_columns_and_the_bf16_swiglu_input(model_parallel
                              ("torch.float32", (capacity // 128, HIDDEN)), ("torch.float32", (capacity // 128, FFN))])
 
 
-def test_inside_moe_recompute_only_the_exact_payload_is_kept_in_fp4(model_parallel, device):
-    """Under `moe` recompute the experts run inside Megatron's checkpoint: the payload (exact FP4
-    values) is kept, the SwiGLU input in BF16 and the fc2 input as FP8 columns, not in MXFP4; the
-    math is the oracle's with those saved tensors."""
-    experts = _build(model_parallel, device, recompute_granularity="selective", recompute_modules=["moe"])
+@pytest.mark.parametrize("storage, recompute", [("experts", dict(recompute_granularity="selective",
+                                                                  recompute_modules=["moe"])), ("none", {})],
+                         ids=["moe-recompute", "storage-none"])
+def test_only_the_exact_payload_is_kept_in_fp4_inside_moe_recompute_or_with_storage_none(
+        model_parallel, device, storage, recompute):
+    """Under `moe` recompute the experts run inside Megatron's checkpoint, and --moe-fp4-storage none
+    asks for the same everywhere: the payload (exact FP4 values) is kept, the SwiGLU input in BF16
+    and the fc2 input as FP8 columns, not in MXFP4; the math is the oracle's with those saved tensors."""
+    torch.manual_seed(3)
+    options = FP4Options(dispatch=True, experts="fp8", storage=storage)
+    builder = use_fp8_experts(get_gpt_layer_local_spec(num_experts=EXPERTS), options).submodules.mlp.keywords[
+        "submodules"].experts
+    config = _config(moe_token_dispatcher_type="alltoall", **recompute)  # the MXFP4 dispatch replaces its all-to-all
+    experts = _spread_weights(builder(EXPERTS, config, pg_collection=model_parallel).to(device))
     payload, probs, grad = _inputs(device)
     received = ref.dequantize_mxfp4(payload)
     x = received.clone().requires_grad_(True)

@@ -143,6 +143,9 @@ def test_fp8_experts_flag_parses_and_works_with_and_without_fp4_dispatch():
         _parse(["--moe-fp4-experts", "fp4"])
     _check(_fp8_experts())
     _check(_fp8_experts(moe_fp4_dispatch=False))  # the FP8 baseline: BF16 dispatch, our experts
+    _check(_fp8_experts(moe_fp4_storage="none"))  # the MXFP4 dispatch, nothing inexact kept in MXFP4
+    with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-storage none"):
+        _check(_config(moe_fp4_storage="none"))  # Megatron's BF16 experts keep nothing in MXFP4 anyway
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -160,6 +163,7 @@ def test_fp8_experts_flag_parses_and_works_with_and_without_fp4_dispatch():
     ({"moe_pad_expert_input_to_capacity": True}, "--moe-pad-expert-input-to-capacity"),
     ({"overlap_moe_expert_parallel_comm": True, "moe_fp4_dispatch": False}, "--overlap-moe-expert-parallel-comm"),
     ({"moe_token_dispatcher_type": "flex", "moe_fp4_dispatch": False}, "does not support --moe-token-dispatcher-type flex"),
+    ({"moe_fp4_storage": "none", "moe_fp4_dispatch": False}, "--moe-fp4-storage none .* needs --moe-fp4-dispatch"),
 ])
 def test_fp8_experts_refusals(overrides, message):
     with pytest.raises(UnsupportedConfiguration, match=message):

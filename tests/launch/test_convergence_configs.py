@@ -24,6 +24,9 @@ PRECISION = {  # the FP4 flags each run config must put on the command line
     "fp4_dispatch_experts_linears": {"--moe-fp4-dispatch": True, "--moe-fp4-experts": "fp8",
                                      "--moe-fp4-linears": "fp8", "--moe-fp4-storage": "experts"},
 }
+# Nothing inexact kept in MXFP4 (issue 20, item 5).
+PRECISION["fp4_dispatch_experts_storage_none"] = {**PRECISION["fp4_dispatch_experts"], "--moe-fp4-storage": "none"}
+PRECISION["fp4_storage_none"] = {**PRECISION["fp4_dispatch_experts_linears"], "--moe-fp4-storage": "none"}
 # The FP8 linears' ablation by role: the FP8 and FP4 configs with some roles left to BF16.
 for _precision in ("fp8", "fp4"):
     PRECISION[f"{_precision}_bf16_attention"] = {**PRECISION[_precision], "--moe-fp4-bf16-linears": "attention"}
