@@ -10,8 +10,9 @@ its data gradient). Saved for backward: with a payload, the payload itself and M
 SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the
 FP8 baseline), what its weight gradients read, as Transformer Engine's FP8 layers keep it: the fc1
 and fc2 inputs as FP8 columns (built in forward instead of backward: the same values), and the
-SwiGLU input in BF16. Inside Megatron's recompute the payload is still kept (its values are exact)
-but the SwiGLU and fc2 inputs are kept as in the baseline: nothing inexact is stored in FP4 there.
+SwiGLU input in BF16. Inside Megatron's recompute, and under --moe-fp4-storage none, the payload is
+still kept (its values are exact) but the SwiGLU and fc2 inputs are kept as in the baseline: nothing
+inexact is stored in FP4 there.
 
 Backward: dgrad in FP8 (gradient 1x128 rows, weights transposed 128x128); wgrad in FP8 with both
 operands 1x128 along tokens (the column kernels' layout). With Megatron's fused gradient
@@ -59,7 +60,8 @@ class ExpertsCall:
     gemms: ExpertGemms = ExpertGemms.GROUPED
     telemetry: Optional[Telemetry] = None  # counts the MXFP4 activations saved for backward
     # With a payload: the SwiGLU and fc2 inputs kept in MXFP4. False inside Megatron's recompute, where
-    # nothing inexact is kept in FP4: then BF16 SwiGLU input and FP8 columns of the fc2 input.
+    # nothing inexact is kept in FP4, and under --moe-fp4-storage none: then BF16 SwiGLU input and FP8
+    # columns of the fc2 input.
     fp4_activations: bool = True
 
 
