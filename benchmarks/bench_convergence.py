@@ -92,6 +92,24 @@ class Run:
         path = Path(self.config)
         return path if path.suffix == ".yaml" else CONFIGS / f"{self.config}.yaml"
 
+    @property
+    def config_name(self) -> str:
+        """The config as the rows name it: its path under configs/convergence/ ("fp4.yaml",
+        "h512/fp4.yaml"), else its file name."""
+        path = self.config_path().resolve()
+        return str(path.relative_to(CONFIGS)) if path.is_relative_to(CONFIGS) else path.name
+
+    @property
+    def reference_config(self) -> str:
+        """The BF16 config of this run's proxy: bf16.yaml in the folder of the run's config (the
+        larger proxies in configs/convergence/h512/ ... have their own)."""
+        return str(Path(self.config_name).with_name(f"{REFERENCE_CONFIG}.yaml"))
+
+    @property
+    def is_plain_reference(self) -> bool:
+        """A BF16 run of its proxy's BF16 config with no extra flags and the data order of its seed."""
+        return self.config_name == self.reference_config and not self.flags and self.data_seed is None
+
 
 def _catalogue() -> Dict[str, Run]:
     first, second = SEEDS[:2]
@@ -128,17 +146,18 @@ def parse_run_spec(text: str) -> Run:
 
 
 def references(runs: List[Run]) -> Dict[str, Run]:
-    """Each run's BF16 reference among `runs`: the first plain BF16 run (config bf16, no extra flags,
-    data order from its seed) of the run's seed when the run's data order follows that seed (a plain
-    BF16 run is thus its own reference), else the first plain BF16 run whose seed is the run's data
-    seed (the same data order, another init). Runs without either are left out."""
+    """Each run's BF16 reference among `runs`: the first plain BF16 run (its proxy's bf16.yaml, no
+    extra flags, data order from its seed) of the run's proxy and seed when the run's data order
+    follows that seed (a plain BF16 run is thus its own reference), else the first plain BF16 run of
+    its proxy whose seed is the run's data seed (the same data order, another init). Runs without
+    either are left out."""
     plain = {}
     for run in runs:
-        if run.config == REFERENCE_CONFIG and not run.flags and run.data_seed is None:
-            plain.setdefault(run.seed, run)
+        if run.is_plain_reference:
+            plain.setdefault((run.reference_config, run.seed), run)
     chosen = {}
     for run in runs:
-        reference = plain.get(run.seed) if run.order == run.seed else plain.get(run.order)
+        reference = plain.get((run.reference_config, run.order))
         if reference is not None:
             chosen[run.name] = reference
     return chosen
@@ -147,7 +166,7 @@ def references(runs: List[Run]) -> Dict[str, Run]:
 def role(run: Run, reference: Run) -> str:
     if run is reference:
         return "reference"
-    if run.config != REFERENCE_CONFIG or run.flags:
+    if run.config_name != run.reference_config or run.flags:
         return "compared"
     return "noise: repeat (same seed, same data)" if run.seed == reference.seed else "noise: init (same data order)"
 
@@ -299,7 +318,7 @@ def run_all(runs: List[Run], iters: int, corpus: Path, out_dir: Path, budget_s: 
             with open(run_dir / "launch.out", "wb") as out:
                 processes[run.name] = subprocess.Popen(argv, env=environment(run, run_dir), cwd=REPO, stdout=out,
                                                        stderr=subprocess.STDOUT, start_new_session=True)
-            print(f"started {run.name}: {run.config_path().name}, seed {run.seed}, data order {run.order}, {run_dir}",
+            print(f"started {run.name}: {run.config_name}, seed {run.seed}, data order {run.order}, {run_dir}",
                   flush=True)
         start = time.monotonic()
         next_report = start + poll_s
@@ -360,12 +379,14 @@ def resolve_references(runs: List[Run], logs: Dict[str, RunLog], reference_dir: 
         for run in runs:
             if run.name in chosen:
                 continue
-            stored = stored_reference(reference_rows, run.order, iters, logs[run.name].validation_sha256, corpus_sha256)
+            stored = stored_reference(reference_rows, run.reference_config, run.order, iters,
+                                      logs[run.name].validation_sha256, corpus_sha256)
             if stored is None:
-                print(f"{run.name}: no plain BF16 run of data order {run.order} and {iters} iterations on its "
-                      f"validation set in the rows of {reference_rows} either: no comparison rows")
+                print(f"{run.name}: no plain BF16 run ({run.reference_config}) of data order {run.order} and {iters} "
+                      f"iterations on its validation set in the rows of {reference_rows} either: no comparison rows")
                 continue
-            chosen[run.name] = Reference(Run(stored.name, REFERENCE_CONFIG, run.order), stored.log,
+            reference_config = str(Path(run.reference_config).with_suffix(""))
+            chosen[run.name] = Reference(Run(stored.name, reference_config, run.order), stored.log,
                                          rows_of=stored.origin)
     return chosen
 
@@ -374,15 +395,15 @@ def _references_from_logs(runs: List[Run], logs: Dict[str, RunLog], chosen: Dict
                           corpus_sha256: Optional[str]) -> Dict[str, Reference]:
     """resolve_references' references from another invocation's out dir, for the runs not in `chosen`."""
     found_refs = {}
-    candidates = [run for run in invocation_runs(reference_dir)
-                  if run.config == REFERENCE_CONFIG and not run.flags and run.data_seed is None]
+    candidates = [run for run in invocation_runs(reference_dir) if run.is_plain_reference]
     other_corpus = read_json(reference_dir / CORPUS_JSON)
     for run in runs:
         if run.name in chosen:
             continue
         found = references(candidates + [run]).get(run.name)
         if found is None:
-            print(f"{run.name}: no plain BF16 run of data order {run.order} in {reference_dir} either: no comparison rows")
+            print(f"{run.name}: no plain BF16 run ({run.reference_config}) of data order {run.order} in {reference_dir} "
+                  "either: no comparison rows")
             continue
         ref_log = read_log(reference_dir / found.name)
         where = f"BF16 {found.name} of {reference_dir}"
@@ -414,7 +435,7 @@ def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str],
     for run in runs:
         log, reference = logs[run.name], refs.get(run.name)
         sizes = corpus_info["sizes"][run.name]
-        about = {"config": run.config_path().name, "seed": run.seed, "data_seed": log.data_seed, "status": status[run.name],
+        about = {"config": run.config_name, "seed": run.seed, "data_seed": log.data_seed, "status": status[run.name],
                  "validation_samples": log.validation_samples, "validation_sha256": log.validation_sha256,
                  "nan_iterations": log.nan_iterations, "skipped_iterations": log.skipped_iterations,
                  "flags": list(run.flags), **sizes}

@@ -27,16 +27,18 @@ def read_rows(path: Path) -> List[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def stored_reference(results: Path, data_order: int, iters: int, validation_sha256: Optional[str],
+def stored_reference(results: Path, config: str, data_order: int, iters: int, validation_sha256: Optional[str],
                      corpus_sha256: str) -> Optional[StoredReference]:
-    """The latest plain BF16 run of data order `data_order` and `iters` iterations among the rows in
+    """The latest plain BF16 run of the config `config` (its path under configs/convergence/, as the
+    rows name it: "bf16.yaml", "h512/bf16.yaml"), data order `data_order` and `iters` iterations among the rows in
     the folder `results` that was evaluated on the validation set `validation_sha256` of the corpus
     `corpus_sha256`, or None. (The whole-split validation set does not depend on the run's length:
     a short run of the same seed shares it, hence the iterations.)"""
     if validation_sha256 is None:
         return None
     finals = [row for row in read_rows(results / "convergence.jsonl")
-              if row["metric"] == FINAL_LOSS and row.get("role") == "reference" and row.get("seed") == data_order
+              if row["metric"] == FINAL_LOSS and row.get("role") == "reference" and row.get("config") == config
+              and row.get("seed") == data_order
               and row.get("iters") == iters and row.get("validation_sha256") == validation_sha256
               and row.get("corpus_sha256") == corpus_sha256]
     if not finals:

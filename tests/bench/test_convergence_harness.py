@@ -87,6 +87,26 @@ def test_every_run_of_the_default_list_has_its_bf16_reference():
     assert "fp4" not in harness.references([catalogue["fp4"], catalogue["bf16_seed2"]])
 
 
+def test_a_larger_proxy_is_compared_with_its_own_bf16_config():
+    """configs/convergence/h512/ is another model: its runs take h512/bf16.yaml of their seed as the
+    reference, never the small proxy's bf16.yaml, and the rows name the config by its folder."""
+    small, large = harness.parse_run_spec("bf16 bf16 1234"), harness.parse_run_spec("bf16_h512 h512/bf16 1234")
+    fp4_large, fp8_large = harness.parse_run_spec("fp4_h512 h512/fp4 1234"), harness.parse_run_spec("x h512/fp8 5678")
+    assert (large.config_name, large.reference_config, large.is_plain_reference) == ("h512/bf16.yaml", "h512/bf16.yaml", True)
+    assert (fp4_large.config_name, fp4_large.reference_config) == ("h512/fp4.yaml", "h512/bf16.yaml")
+    assert small.reference_config == "bf16.yaml" and small.config_path() == ROOT / "configs" / "convergence" / "bf16.yaml"
+    refs = harness.references([small, large, fp4_large, fp8_large])
+    assert {name: run.name for name, run in refs.items()} == {"bf16": "bf16", "bf16_h512": "bf16_h512", "fp4_h512": "bf16_h512"}
+    assert harness.role(fp4_large, large) == "compared" and harness.role(large, large) == "reference"
+    assert "fp4_h512" not in harness.references([small, fp4_large])
+    from megatron_fp4.run_config import load_config
+
+    for name in ("bf16", "fp8", "fp4"):  # the folder's configs are the precision configs at the larger size
+        flags = load_config(ROOT / "configs" / "convergence" / "h512" / f"{name}.yaml").flags
+        assert (flags["hidden_size"], flags["moe_ffn_hidden_size"]) == (512, 256)
+        assert flags == {**load_config(ROOT / "configs" / "convergence" / f"{name}.yaml").flags, **flags}
+
+
 def test_run_specs():
     run = harness.parse_run_spec("mine fp4 7 data_seed=1234 --lr 2e-3")
     assert (run.name, run.config, run.seed, run.data_seed, run.flags) == ("mine", "fp4", 7, 1234, ("--lr", "2e-3"))
@@ -326,14 +346,17 @@ def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, finished
     assert final["reference_value"] == bf16_final["value"] and final["value"] == canned.final_validation_loss
     assert final["same_validation_set"] and rows.row_problems(final) == []
     # The reference's curve (its largest rise, the curve rows) is the BF16 run's logged losses, from its rows.
-    reference = convergence_rows.stored_reference(stored, 1234, 6, canned.validation_sha256, finished.corpus["sha256"])
+    reference = convergence_rows.stored_reference(stored, "bf16.yaml", 1234, 6, canned.validation_sha256, finished.corpus["sha256"])
     assert [(p.iteration, p.lm_loss) for p in reference.log.points] == [(p.iteration, p.lm_loss) for p in canned.points]
     for order, iters, validation in ((1234, 6, "0" * 64), (1234, 2000, canned.validation_sha256),
                                      (5678, 6, canned.validation_sha256)):
-        assert convergence_rows.stored_reference(stored, order, iters, validation, finished.corpus["sha256"]) is None
+        assert convergence_rows.stored_reference(stored, "bf16.yaml", order, iters, validation, finished.corpus["sha256"]) is None
+    # The larger proxy's runs are compared with its own BF16 config only.
+    assert convergence_rows.stored_reference(stored, "h512/bf16.yaml", 1234, 6, canned.validation_sha256,
+                                             finished.corpus["sha256"]) is None
     assert "tokens per second (GPU shared by all runs)" not in {r["metric"] for r in results}
     assert {r["case"] for r in curves} == {"bf16_lr"} and len(curves) == len(canned.points)
-    assert "bf16_other_order: no plain BF16 run of data order 77 and 6 iterations on its validation set in the rows" in out
+    assert "bf16_other_order: no plain BF16 run (bf16.yaml) of data order 77 and 6 iterations on its validation set in the rows" in out
 
 
 def test_runs_of_ones_own_replace_the_default_set_unless_runs_names_more():
