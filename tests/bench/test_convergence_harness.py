@@ -101,10 +101,13 @@ def test_a_larger_proxy_is_compared_with_its_own_bf16_config():
     assert "fp4_h512" not in harness.references([small, fp4_large])
     from megatron_fp4.run_config import load_config
 
-    for name in ("bf16", "fp8", "fp4"):  # the folder's configs are the precision configs at the larger size
-        flags = load_config(ROOT / "configs" / "convergence" / "h512" / f"{name}.yaml").flags
-        assert (flags["hidden_size"], flags["moe_ffn_hidden_size"]) == (512, 256)
-        assert flags == {**load_config(ROOT / "configs" / "convergence" / f"{name}.yaml").flags, **flags}
+    large_configs = sorted((ROOT / "configs" / "convergence" / "h512").glob("*.yaml"))
+    assert {"bf16.yaml", "fp8.yaml", "fp4.yaml", "size.yaml"} <= {path.name for path in large_configs}
+    for path in large_configs:  # each is the config of its name in the folder above at the larger size
+        if path.name != "size.yaml":
+            flags = load_config(path).flags
+            assert (flags["hidden_size"], flags["moe_ffn_hidden_size"]) == (512, 256)
+            assert flags == {**load_config(path.parents[1] / path.name).flags, **flags}
 
 
 def test_run_specs():
