@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from benchmarks.convergence_log import RunLog, largest_jump, parse_log, tokens_per_second
-from benchmarks.convergence_rows import stored_reference
+from benchmarks.convergence_rows import reference_config_of, stored_reference
 from benchmarks.rows import Recorder, run_info
 from megatron_fp4.console import quiet_third_party_notices
 
@@ -63,7 +63,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "convergence"
 LAUNCH = REPO / "scripts" / "launch.py"
 DEFAULT_CORPUS = REPO / "runs" / "corpus" / "python_sources"
-REFERENCE_CONFIG = "bf16"
 SEEDS = (1234, 5678, 9012, 3456)
 LOSS_UNIT = "nats/token"
 DEFAULT_ITERS = 2000
@@ -103,7 +102,7 @@ class Run:
     def reference_config(self) -> str:
         """The BF16 config of this run's proxy: bf16.yaml in the folder of the run's config (the
         larger proxies in configs/convergence/h512/ ... have their own)."""
-        return str(Path(self.config_name).with_name(f"{REFERENCE_CONFIG}.yaml"))
+        return reference_config_of(self.config_name)
 
     @property
     def is_plain_reference(self) -> bool:

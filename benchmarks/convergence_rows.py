@@ -14,6 +14,13 @@ from typing import List, NamedTuple, Optional
 from benchmarks.convergence_log import Point, RunLog
 
 FINAL_LOSS = "final validation loss (whole split)"
+REFERENCE_CONFIG = "bf16"
+
+
+def reference_config_of(config: str) -> str:
+    """The BF16 config a config's runs are compared with: bf16.yaml in its folder ("h512/fp4.yaml" ->
+    "h512/bf16.yaml"; each proxy size has its own)."""
+    return str(Path(config).with_name(f"{REFERENCE_CONFIG}.yaml"))
 
 
 class StoredReference(NamedTuple):

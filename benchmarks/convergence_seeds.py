@@ -13,6 +13,11 @@ the BF16 run's at the same iteration, averaged over the second half of the itera
 train on the same batches in the same order, so this average is free of the batches' own noise
 (it still moves with the run's trajectory: a BF16 run repeated moves it too).
 
+Megatron's BF16 layer is not deterministic on the GPU, so the BF16 run a row was compared with is
+itself one draw (a repeat moved the larger proxy's final loss by 0.46%). The third table compares
+the same standing rows with the mean of every finished BF16 run of the seed (the same init, data
+order, length and validation set: repeats), and says how many there are and how far apart.
+
     python -m benchmarks.convergence_seeds                          # fp8.yaml and fp4.yaml, 2000 iterations
     python -m benchmarks.convergence_seeds --configs fp4.yaml fp4_bf16_grads.yaml
 """
@@ -24,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Sequence
 
-from benchmarks.convergence_rows import FINAL_LOSS, read_rows
+from benchmarks.convergence_rows import FINAL_LOSS, read_rows, reference_config_of
 
 
 class SeedResult(NamedTuple):
@@ -33,6 +38,8 @@ class SeedResult(NamedTuple):
     commit: str  # of the row standing for the seed
     rows: int  # rows of this setting and seed
     training_deviation: float  # the second half's mean training loss ratio to BF16's, minus one (nan: no curve)
+    bf16_repeats: List[float]  # final losses of every BF16 run of this seed (the reference and its repeats)
+    repeats_deviation: float  # the final loss over those runs' mean, minus one
 
 
 class Spread(NamedTuple):
@@ -46,6 +53,7 @@ class SettingSummary(NamedTuple):
     seeds: List[SeedResult]
     final: Spread  # of the final validation deviations
     training: Spread  # of the training deviations (over the seeds that have a curve)
+    repeats: Spread  # of the deviations from the mean of BF16's repeats
 
 
 def _counted(row: dict, iters: int) -> bool:
@@ -60,6 +68,18 @@ def training_deviation(curves: List[dict], row: dict, iters: int) -> float:
               if point.get("run") == row.get("run") and point.get("case") == row.get("case")
               and point.get("role") == "compared" and point["iteration"] > iters // 2]
     return statistics.fmean(ratios) - 1.0 if ratios else math.nan
+
+
+def bf16_repeats(rows: Sequence[dict], row: dict) -> List[float]:
+    """Final validation losses of every finished BF16 run like `row`'s reference: its proxy's BF16
+    config without flags, the same init seed and data order, iterations and validation set."""
+    def order(r: dict) -> int:
+        return r.get("data_seed", r["seed"])
+    return [r["value"] for r in rows
+            if r.get("bench") == "convergence" and r.get("metric") == FINAL_LOSS and r.get("status") == "finished"
+            and r.get("config") == reference_config_of(row["config"]) and not r.get("flags")
+            and r["seed"] == row["seed"] and order(r) == order(row) and r.get("iters") == row.get("iters")
+            and r.get("validation_sha256") == row.get("validation_sha256")]
 
 
 def _spread(values: List[float]) -> Spread:
@@ -80,28 +100,48 @@ def summarize(rows: List[dict], config: str, iters: int, curves: Sequence[dict] 
     if not by_seed:
         raise ValueError(f"no finished {iters}-iteration rows of {config} compared with BF16; check --configs and --iters")
     curves = list(curves)
-    seeds = [SeedResult(seed, runs[-1]["ratio"] - 1.0, runs[-1]["commit"], len(runs),
-                        training_deviation(curves, runs[-1], iters)) for seed, runs in by_seed.items()]
+    seeds = []
+    for seed, runs in by_seed.items():
+        standing = runs[-1]
+        repeats = bf16_repeats(rows, standing)
+        # The row's own reference is among them when it was stored; if not, it still counts once.
+        if not any(value == standing["reference_value"] for value in repeats):
+            repeats.append(standing["reference_value"])
+        seeds.append(SeedResult(seed, standing["ratio"] - 1.0, standing["commit"], len(runs),
+                                training_deviation(curves, standing, iters), repeats,
+                                standing["value"] / statistics.fmean(repeats) - 1.0))
     return SettingSummary(config, seeds, _spread([s.deviation for s in seeds]),
-                          _spread([s.training_deviation for s in seeds]))
+                          _spread([s.training_deviation for s in seeds]), _spread([s.repeats_deviation for s in seeds]))
 
 
 def table(summaries: List[SettingSummary]) -> str:
-    """Two markdown tables, one line per setting, deviations in percent, spreads in points: the final
-    validation deviations, then the training deviations of the same runs."""
+    """Three markdown tables, one line per setting, deviations in percent, spreads in points: the final
+    validation deviations, the training deviations of the same runs, and the final deviations from
+    the mean of BF16's repeats (with their count and range)."""
     lines = []
     for title, of_seed, spread_of in (
             ("final validation loss", lambda r: r.deviation, lambda s: s.final),
-            ("training loss, second half", lambda r: r.training_deviation, lambda s: s.training)):
-        lines += [f"| setting | seed: {title} vs BF16 (commit, rows) | mean | standard deviation | standard error |",
+            ("training loss, second half", lambda r: r.training_deviation, lambda s: s.training),
+            ("final validation loss vs the mean of BF16's repeats", lambda r: r.repeats_deviation,
+             lambda s: s.repeats)):
+        repeats = title.endswith("repeats")
+        detail = "BF16 runs, their range" if repeats else "commit, rows"
+        lines += [f"| setting | seed: {title} ({detail}) | mean | standard deviation | standard error |",
                   "| --- | --- | ---: | ---: | ---: |"]
         for s in summaries:
-            seeds = ", ".join(f"{r.seed}: {_percent(of_seed(r))} ({r.commit}, {r.rows})" for r in s.seeds)
+            seeds = ", ".join(f"{r.seed}: {_percent(of_seed(r))} ({_repeats(r) if repeats else f'{r.commit}, {r.rows}'})"
+                              for r in s.seeds)
             spread = spread_of(s)
             lines.append(f"| {s.config} | {seeds} | {_percent(spread.mean)} | {_points(spread.sd)} | "
                          f"{_points(spread.se)} |")
         lines.append("")
     return "\n".join(lines[:-1])
+
+
+def _repeats(result: SeedResult) -> str:
+    """How many BF16 runs a seed's mean has and how far apart they are, in points of their mean."""
+    values = result.bf16_repeats
+    return f"{len(values)}, {_points((max(values) - min(values)) / statistics.fmean(values))}"
 
 
 def _percent(value: float) -> str:

@@ -12,8 +12,8 @@ from benchmarks.convergence_rows import FINAL_LOSS
 
 def _row(config, seed, ratio, commit, **changes):
     row = {"bench": "convergence", "metric": FINAL_LOSS, "role": "compared", "status": "finished", "iters": 2000,
-           "config": config, "flags": [], "seed": seed, "ratio": ratio, "commit": commit, "run": f"t-{commit}",
-           "case": f"{config}-{seed}"}
+           "config": config, "flags": [], "seed": seed, "ratio": ratio, "value": ratio, "reference_value": 1.0,
+           "commit": commit, "run": f"t-{commit}", "case": f"{config}-{seed}"}
     row.update(changes)
     return row
 
@@ -80,3 +80,28 @@ def test_command_prints_the_table(tmp_path, capsys):
         cs.main(["--results", str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="no finished"):
         cs.main(["--results", str(tmp_path), "--configs", "none.yaml"])
+
+
+def _bf16(value, seed=1, **changes):
+    return _row("h512/bf16.yaml", seed, 1.0, "ddd", **{"role": "reference", "value": value, "reference_value": value,
+                                                      "validation_sha256": "v", **changes})
+
+
+def test_a_run_is_also_measured_against_the_mean_of_its_seeds_bf16_repeats():
+    """Every finished BF16 run of the proxy's own BF16 config with the run's init, data order, length
+    and validation set counts; other inits, data orders, validation sets, flags, lengths and the other
+    proxy's BF16 do not; the run's own reference counts once."""
+    rows = [_bf16(1.0), _bf16(1.02, run="t-eee"),
+            _bf16(0.5, data_seed=7), _bf16(0.5, seed=2, data_seed=1), _bf16(0.5, validation_sha256="w"),
+            _bf16(0.5, flags=["--x"]), _bf16(0.5, iters=200), _bf16(0.5, status="stopped at the budget"),
+            _row("bf16.yaml", 1, 1.0, "ddd", role="reference", value=0.5, validation_sha256="v"),
+            _row("h512/fp4.yaml", 1, 1.01, "fff", value=1.0302, reference_value=1.02, validation_sha256="v")]
+    s = cs.summarize(rows, "h512/fp4.yaml", 2000)
+    (seed,) = s.seeds
+    assert sorted(seed.bf16_repeats) == [1.0, 1.02]
+    assert seed.deviation == pytest.approx(0.01) and seed.repeats_deviation == pytest.approx(0.02)
+    assert s.repeats.mean == pytest.approx(0.02)
+    assert "| h512/fp4.yaml | 1: +2.00% (2, 1.98) | +2.00% |" in cs.table([s])
+    # Without stored BF16 rows, the run's own reference is the only one.
+    (alone,) = cs.summarize(rows[-1:], "h512/fp4.yaml", 2000).seeds
+    assert alone.bf16_repeats == [1.02] and alone.repeats_deviation == pytest.approx(0.01)
