@@ -119,23 +119,26 @@ def table(summaries: List[SettingSummary]) -> str:
     validation deviations, the training deviations of the same runs, and the final deviations from
     the mean of BF16's repeats (with their count and range)."""
     lines = []
-    for title, of_seed, spread_of in (
-            ("final validation loss", lambda r: r.deviation, lambda s: s.final),
-            ("training loss, second half", lambda r: r.training_deviation, lambda s: s.training),
-            ("final validation loss vs the mean of BF16's repeats", lambda r: r.repeats_deviation,
-             lambda s: s.repeats)):
-        repeats = title.endswith("repeats")
-        detail = "BF16 runs, their range" if repeats else "commit, rows"
-        lines += [f"| setting | seed: {title} ({detail}) | mean | standard deviation | standard error |",
+    for title, of_seed, spread_of, detail in (
+            ("final validation loss vs BF16 (commit, rows)", lambda r: r.deviation, lambda s: s.final, _standing),
+            ("training loss, second half vs BF16 (commit, rows)", lambda r: r.training_deviation,
+             lambda s: s.training, _standing),
+            ("final validation loss vs the mean of BF16's repeats (BF16 runs, their range)",
+             lambda r: r.repeats_deviation, lambda s: s.repeats, _repeats)):
+        lines += [f"| setting | seed: {title} | mean | standard deviation | standard error |",
                   "| --- | --- | ---: | ---: | ---: |"]
         for s in summaries:
-            seeds = ", ".join(f"{r.seed}: {_percent(of_seed(r))} ({_repeats(r) if repeats else f'{r.commit}, {r.rows}'})"
-                              for r in s.seeds)
+            seeds = ", ".join(f"{r.seed}: {_percent(of_seed(r))} ({detail(r)})" for r in s.seeds)
             spread = spread_of(s)
             lines.append(f"| {s.config} | {seeds} | {_percent(spread.mean)} | {_points(spread.sd)} | "
                          f"{_points(spread.se)} |")
         lines.append("")
     return "\n".join(lines[:-1])
+
+
+def _standing(result: SeedResult) -> str:
+    """Which row stands for a seed: its commit, and how many rows the seed has."""
+    return f"{result.commit}, {result.rows}"
 
 
 def _repeats(result: SeedResult) -> str:
