@@ -56,9 +56,14 @@ class SettingSummary(NamedTuple):
     repeats: Spread  # of the deviations from the mean of BF16's repeats
 
 
+def _finished(row: dict, iters: int) -> bool:
+    """A final validation loss of a run that finished `iters` iterations."""
+    return (row.get("bench") == "convergence" and row.get("metric") == FINAL_LOSS and row.get("status") == "finished"
+            and row.get("iters") == iters)
+
+
 def _counted(row: dict, iters: int) -> bool:
-    return (row.get("bench") == "convergence" and row.get("metric") == FINAL_LOSS and row.get("role") == "compared"
-            and row.get("status") == "finished" and row.get("iters") == iters)
+    return _finished(row, iters) and row.get("role") == "compared"
 
 
 def training_deviation(curves: List[dict], row: dict, iters: int) -> float:
@@ -76,9 +81,8 @@ def bf16_repeats(rows: Sequence[dict], row: dict) -> List[float]:
     def order(r: dict) -> int:
         return r.get("data_seed", r["seed"])
     return [r["value"] for r in rows
-            if r.get("bench") == "convergence" and r.get("metric") == FINAL_LOSS and r.get("status") == "finished"
-            and r.get("config") == reference_config_of(row["config"]) and not r.get("flags")
-            and r["seed"] == row["seed"] and order(r) == order(row) and r.get("iters") == row.get("iters")
+            if _finished(r, row.get("iters")) and r.get("config") == reference_config_of(row["config"])
+            and not r.get("flags") and r["seed"] == row["seed"] and order(r) == order(row)
             and r.get("validation_sha256") == row.get("validation_sha256")]
 
 
