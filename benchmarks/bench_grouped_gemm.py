@@ -43,7 +43,7 @@ ROWS_GEMMS = {"fc1_fprop": (2 * FFN, HIDDEN), "fc2_fprop": (HIDDEN, FFN), "fc1_d
 WGRAD_GEMMS = {"fc1_wgrad": (2 * FFN, HIDDEN), "fc2_wgrad": (HIDDEN, FFN)}
 
 def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
-    """The default first, then (block_m, warps, stages, group_m, row_halves, tma[, tma_store]) candidates."""
+    """The default first, then (block_m, warps, stages, group_m, row_halves, tma) candidates."""
     candidates = [GemmTiles(m, 128, *rest) for m, *rest in shapes]
     return [default] + [tiles for tiles in candidates if tiles != default]
 
@@ -52,14 +52,9 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 # a532c18, ran at 0.32-0.73 of the default and gave other bits with two row halves.)
 # The warp-specialized Gluon kernel (CUDA only) at three stage counts: 0.88x-1.02x of the default at
 # 2e84cd6 (docs/kernels.md).
-# Output tiles stored by TMA (tma_store), new at this commit: the defaults' tiles with it, and
-# shapes that lost with per-thread stores.
-ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(128, 4, 3, 8, 2, False, True), (64, 4, 3, 8, 1, True),
-                                         (64, 4, 3, 8, 1, True, True), (64, 4, 3, 8, 1, False)]) + [
+ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
     dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
-WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 3, 8, 1, True, True), (64, 4, 4, 8, 1, True, True),
-                                           (128, 4, 3, 8, 2, True, True), (64, 4, 4, 8, 1, False),
-                                           (64, 4, 2, 8, 1, True)])
+WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)])
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

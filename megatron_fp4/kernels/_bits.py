@@ -159,19 +159,13 @@ def fp32_to_bf16_bits(value):
 
 
 @triton.jit
-def rounded(value, element_type: tl.constexpr, AS_BF16_BITS: tl.constexpr):
-    """fp32 values rounded to a buffer's element type; a BF16 buffer is passed as int16 and gets
-    bits rounded here to nearest even (Triton's interpreter truncates in .to(tl.bfloat16))."""
-    if AS_BF16_BITS:
-        return fp32_to_bf16_bits(value).to(tl.int16)
-    else:
-        return value.to(element_type)
-
-
-@triton.jit
 def store_rounded(ptr, value, mask, AS_BF16_BITS: tl.constexpr):
-    """Store fp32 values rounded to the buffer's type (`rounded`)."""
-    tl.store(ptr, rounded(value, ptr.dtype.element_ty, AS_BF16_BITS), mask=mask)
+    """Store fp32 values rounded to the buffer's type; a BF16 buffer is passed as int16 and rounded
+    here to nearest even (Triton's interpreter truncates in .to(tl.bfloat16))."""
+    if AS_BF16_BITS:
+        tl.store(ptr, fp32_to_bf16_bits(value).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..formats import FP8_BLOCK
 from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights, padded_scale_columns
 from ._addresses import address_table
-from ._bits import rounded, store_rounded
+from ._bits import store_rounded
 from ._checks import check_kernel_device
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 from ._tile_order import swizzled, tile_of_expert
@@ -54,12 +54,6 @@ class GemmTiles:
     # of per-thread pointer loads: the copies cost no registers or instructions of the program's
     # threads, and rows past the end of A read as zeros.
     tma: bool = False
-    # Output tiles written by the Tensor Memory Accelerator from shared memory (a host-built
-    # descriptor of the output) instead of per-thread stores of the accumulator's fragments: whole
-    # 128-byte lines, and the copy runs on while the program ends and the next one starts. Tiles
-    # that end past their expert's rows (fprop / dgrad) and fp32 accumulation (wgrad with
-    # accumulate_into, which must read the buffer) keep the per-thread stores.
-    tma_store: bool = False
     # fprop / dgrad only, CUDA only: the Gluon kernel of grouped_fp8_gemm_ws (a producer warp
     # loading through TMA, two consumer warpgroups on the two 64-row halves), the same bits. Its
     # tiles are fixed (WARP_SPECIALIZED_ROWS below) but for num_stages and group_m.
@@ -126,7 +120,6 @@ def _grouped_gemm_rows_kernel(
     b_scales_ptr,  # fp32 [E, N / 128, B_SCALE_STRIDE]
     offsets_ptr,  # int64 [E + 1]: expert e owns rows [offsets[e], offsets[e + 1])
     c_ptr,  # [M, N] of the output dtype (BF16 as int16: store_rounded)
-    c_desc,  # with TMA_STORE a descriptor of c's [BLOCK_M / ROW_HALVES, BLOCK_N] tiles, else None
     num_rows,
     num_experts,
     num_tiles_m,  # an upper bound: ceil(M / BLOCK_M) + E
@@ -140,7 +133,6 @@ def _grouped_gemm_rows_kernel(
     GROUP_M: tl.constexpr,
     ROW_HALVES: tl.constexpr,
     TMA: tl.constexpr,
-    TMA_STORE: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
     SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
@@ -189,34 +181,11 @@ def _grouped_gemm_rows_kernel(
                 a_bottom += BLOCK_K
                 w_tile += BLOCK_K
             sa_top, sa_bottom, sb = next_sa_top, next_sa_bottom, next_sb
-        _store_rows(c_ptr, c_desc, acc_top, first_row, tile_n * BLOCK_N, end_row, N, SUB_M, BLOCK_N, TMA_STORE,
-                    OUT_BF16)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        store_rounded(out, acc_top, (rows < end_row)[:, None], OUT_BF16)
         if ROW_HALVES == 2:
-            _store_rows(c_ptr, c_desc, acc_bottom, first_row + SUB_M, tile_n * BLOCK_N, end_row, N, SUB_M, BLOCK_N,
-                        TMA_STORE, OUT_BF16)
-
-
-@triton.jit
-def _store_rows(c_ptr, c_desc, acc, first_row, first_col, end_row, N: tl.constexpr, SUB_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr, OUT_BF16: tl.constexpr):
-    """Rows [first_row, first_row + SUB_M) of the output's columns from first_col: those before
-    end_row (the rest are the next expert's). With TMA_STORE a tile of the expert's rows only is
-    copied whole; the expert's last, partial tile is stored row by row under a mask either way."""
-    if TMA_STORE:
-        if first_row + SUB_M <= end_row:
-            c_desc.store([first_row.to(tl.int32), first_col], rounded(acc, c_desc.dtype, OUT_BF16))
-        else:
-            _store_masked(c_ptr, acc, first_row, first_col, end_row, N, SUB_M, BLOCK_N, OUT_BF16)
-    else:
-        _store_masked(c_ptr, acc, first_row, first_col, end_row, N, SUB_M, BLOCK_N, OUT_BF16)
-
-
-@triton.jit
-def _store_masked(c_ptr, acc, first_row, first_col, end_row, N: tl.constexpr, SUB_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr):
-    rows = first_row + tl.arange(0, SUB_M)
-    cols = first_col + tl.arange(0, BLOCK_N)
-    store_rounded(c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc, (rows < end_row)[:, None], OUT_BF16)
+            store_rounded(out + SUB_M * N, acc_bottom, (rows + SUB_M < end_row)[:, None], OUT_BF16)
 
 
 @triton.jit
@@ -227,7 +196,6 @@ def _grouped_wgrad_kernel(
     b_scales_ptr,  # fp32 [capacity / 128, K]
     offsets_ptr,  # int64 [E + 1]: expert e owns columns [offsets[e], offsets[e + 1]), multiples of 128
     c_ptr,  # [E, N, K] of the output dtype; with ACCUMULATE int64 [E]: where each expert's fp32 [N, K] is
-    c_desc,  # with TMA_STORE a descriptor of c as [E * N, K] in [BLOCK_M / ROW_HALVES, BLOCK_N] tiles, else None
     row_stride,  # the operands' token capacity (a multiple of 128)
     N: tl.constexpr,
     K: tl.constexpr,
@@ -237,7 +205,6 @@ def _grouped_wgrad_kernel(
     GROUP_M: tl.constexpr,
     ROW_HALVES: tl.constexpr,
     TMA: tl.constexpr,
-    TMA_STORE: tl.constexpr,  # not with ACCUMULATE
     ACCUMULATE: tl.constexpr,  # add into fp32 buffers (Megatron's main_grad) instead of writing c
     OUT_BF16: tl.constexpr,
 ):
@@ -282,26 +249,17 @@ def _grouped_wgrad_kernel(
             a_bottom += BLOCK_K
             x_tile += BLOCK_K
         sa_top, sa_bottom, sb = next_sa_top, next_sa_bottom, next_sb
-    _store_wgrad(c_ptr, c_desc, expert, tile_m * BLOCK_M, tile_n * BLOCK_N, acc_top, N, K, SUB_M, BLOCK_N,
-                 TMA_STORE, ACCUMULATE, OUT_BF16)
+    _store_wgrad(c_ptr, expert, rows, cols, acc_top, N, K, ACCUMULATE, OUT_BF16)
     if ROW_HALVES == 2:
-        _store_wgrad(c_ptr, c_desc, expert, tile_m * BLOCK_M + SUB_M, tile_n * BLOCK_N, acc_bottom, N, K, SUB_M,
-                     BLOCK_N, TMA_STORE, ACCUMULATE, OUT_BF16)
+        _store_wgrad(c_ptr, expert, rows + SUB_M, cols, acc_bottom, N, K, ACCUMULATE, OUT_BF16)
 
 
 @triton.jit
-def _store_wgrad(c_ptr, c_desc, expert, first_row, first_col, acc, N: tl.constexpr, K: tl.constexpr,
-                 SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr, ACCUMULATE: tl.constexpr,
+def _store_wgrad(c_ptr, expert, rows, cols, acc, N: tl.constexpr, K: tl.constexpr, ACCUMULATE: tl.constexpr,
                  OUT_BF16: tl.constexpr):
-    """Expert `expert`'s weight gradient at rows [first_row, + SUB_M), columns [first_col, + BLOCK_N):
-    written, or added to its fp32 buffer."""
-    rows = first_row + tl.arange(0, SUB_M)
-    cols = first_col + tl.arange(0, BLOCK_N)
+    """One tile of expert `expert`'s weight gradient: written, or added to its fp32 buffer."""
     within = rows[:, None].to(tl.int64) * K + cols[None, :]
-    if TMA_STORE:
-        c_desc.store([(expert * N + first_row).to(tl.int32), first_col.to(tl.int32)],
-                     rounded(acc, c_desc.dtype, OUT_BF16))
-    elif ACCUMULATE:
+    if ACCUMULATE:
         out = tl.load(c_ptr + expert).to(tl.pointer_type(tl.float32)) + within
         tl.store(out, tl.load(out) + acc)
     else:
@@ -312,7 +270,7 @@ def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
     if tiles.block_n != FP8_BLOCK or tiles.row_halves not in (1, 2):
         raise ValueError(f"{name}: block_n must be {FP8_BLOCK} (one weight block) and row_halves 1 or 2, got {tiles}")
     fixed = dict(block_m=WARP_SPECIALIZED_ROWS.block_m, num_warps=WARP_SPECIALIZED_ROWS.num_warps, row_halves=2,
-                 tma=True, tma_store=False)
+                 tma=True)
     if tiles.warp_specialized and any(getattr(tiles, key) != value for key, value in fixed.items()):
         raise ValueError(f"{name}: the warp-specialized kernel takes {fixed} (only num_stages and group_m vary), "
                          f"got {tiles}")
@@ -355,11 +313,10 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
     _grouped_gemm_rows_kernel[(num_tiles_m * (n // tiles.block_n),)](
         _operand(name, rows.data, (sub_m, FP8_BLOCK), tiles.tma), rows.block_scales,
         _operand(name, weights.data.view(num_experts * n, k), (tiles.block_n, FP8_BLOCK), tiles.tma),
-        weights.block_scales, row_offsets, _stored(out), _output_tiles(out, (sub_m, tiles.block_n), tiles.tma_store),
-        num_rows, num_experts, num_tiles_m,
+        weights.block_scales, row_offsets, _stored(out), num_rows, num_experts, num_tiles_m,
         N=n, K=k, B_SCALE_STRIDE=weights.block_scales.shape[2], EXPERTS_POW2=triton.next_power_of_2(num_experts),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
-        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, TMA_STORE=tiles.tma_store, OUT_BF16=out_dtype == torch.bfloat16,
+        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -398,15 +355,12 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         out, target = None, address_table(name, accumulate_into)
     if capacity == 0:  # no token at all: zero gradients (nothing to add); a TMA descriptor needs a width
         return None if out is None else out.zero_()
-    tma_store = tiles.tma_store and out is not None  # added sums are read first: per-thread loads and stores
-    sub_m = tiles.block_m // tiles.row_halves
     _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
-        _operand(name, grad_cols.data, (sub_m, FP8_BLOCK), tiles.tma),
+        _operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
         grad_cols.block_scales, _operand(name, input_cols.data, (tiles.block_n, FP8_BLOCK), tiles.tma),
-        input_cols.block_scales, offsets, target,
-        _output_tiles(out.view(num_experts * n, k) if tma_store else None, (sub_m, tiles.block_n), tma_store),
-        capacity, N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
-        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, TMA_STORE=tma_store, ACCUMULATE=accumulate_into is not None,
+        input_cols.block_scales, offsets, target, capacity,
+        N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
+        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, ACCUMULATE=accumulate_into is not None,
         OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -418,13 +372,6 @@ def _operand(name: str, data: torch.Tensor, block, tma: bool):
     descriptor of `block` tiles."""
     _check_operand(name, data, tma)
     return TensorDescriptor.from_tensor(data, list(block)) if tma else data
-
-
-def _output_tiles(out: Optional[torch.Tensor], block, tma_store: bool) -> Optional[TensorDescriptor]:
-    """With tma_store, a descriptor of the 2-D output as the kernels write it (`_stored`) in `block`
-    tiles; else None (torch.empty's outputs are 16-byte aligned and their rows, N or K elements of
-    at least 2 bytes with N and K multiples of 128, are too)."""
-    return TensorDescriptor.from_tensor(_stored(out), list(block)) if tma_store else None
 
 
 def _check_operand(name: str, data: torch.Tensor, tma: bool) -> None:
@@ -465,46 +412,26 @@ def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES
     """Both kernels at their tiles (the defaults unless given) for fc1's shape at the variant's
     hidden size (fprop: N = 4096, K = hidden; wgrad: [4096, hidden]), as sm90_build compiles them."""
     n, k = 2 * 2048, variant.hidden
-    rows_sub_m = rows_tiles.block_m // rows_tiles.row_halves
-    rows_out_signature, rows_out_constexprs = _output_tiles_param(rows_tiles.tma_store, rows_sub_m)
-    wgrad_sub_m = wgrad_tiles.block_m // wgrad_tiles.row_halves
-    wgrad_operands = {"a": _fp8_operand_type(wgrad_tiles, wgrad_sub_m), "a_scales_ptr": "*fp32",
-                      "b": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_n), "b_scales_ptr": "*fp32",
-                      "offsets_ptr": "*i64", "row_stride": "i32"}
-    wgrad_constexprs = {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
-                        "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ROW_HALVES": wgrad_tiles.row_halves,
-                        "TMA": wgrad_tiles.tma}
-    written_signature, written_constexprs = _output_tiles_param(wgrad_tiles.tma_store, wgrad_sub_m)
-    wgrad_size = (wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n, wgrad_tiles.num_stages)
     return [
         KernelSpec("grouped_gemm_by_weight", _grouped_gemm_rows_kernel,
                    {"a": _fp8_operand_type(rows_tiles, rows_tiles.block_m // rows_tiles.row_halves),
                     "a_scales_ptr": "*fp32", "b": _fp8_operand_type(rows_tiles, rows_tiles.block_n),
-                    "b_scales_ptr": "*fp32", "offsets_ptr": "*i64", "c_ptr": "*i16", **rows_out_signature,
-                    "num_rows": "i32", "num_experts": "i32", "num_tiles_m": "i32"},
+                    "b_scales_ptr": "*fp32", "offsets_ptr": "*i64", "c_ptr": "*i16", "num_rows": "i32",
+                    "num_experts": "i32", "num_tiles_m": "i32"},
                    {"N": n, "K": k, "B_SCALE_STRIDE": padded_scale_columns(k), "EXPERTS_POW2": EXPERTS_POW2,
                     "BLOCK_M": rows_tiles.block_m, "BLOCK_N": rows_tiles.block_n, "BLOCK_K": FP8_BLOCK,
                     "GROUP_M": rows_tiles.group_m, "ROW_HALVES": rows_tiles.row_halves, "TMA": rows_tiles.tma,
-                    "TMA_STORE": rows_tiles.tma_store, "OUT_BF16": True, **rows_out_constexprs},
+                    "OUT_BF16": True},
                    rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n, rows_tiles.num_stages),
-        # Added into Megatron's fp32 main_grad (the layer's path), and written as BF16 (the benchmark's).
-        KernelSpec("grouped_wgrad", _grouped_wgrad_kernel, dict(wgrad_operands, c_ptr="*i64"),
-                   dict(wgrad_constexprs, c_desc=None, TMA_STORE=False, ACCUMULATE=True, OUT_BF16=False),
-                   *wgrad_size),
-        KernelSpec("grouped_wgrad_written", _grouped_wgrad_kernel, dict(wgrad_operands, c_ptr="*i16",
-                                                                        **written_signature),
-                   dict(wgrad_constexprs, TMA_STORE=wgrad_tiles.tma_store, ACCUMULATE=False, OUT_BF16=True,
-                        **written_constexprs),
-                   *wgrad_size),
+        KernelSpec("grouped_wgrad", _grouped_wgrad_kernel,
+                   {"a": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_m // wgrad_tiles.row_halves),
+                    "a_scales_ptr": "*fp32", "b": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_n),
+                    "b_scales_ptr": "*fp32", "offsets_ptr": "*i64", "c_ptr": "*i64", "row_stride": "i32"},
+                   {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
+                    "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ROW_HALVES": wgrad_tiles.row_halves,
+                    "TMA": wgrad_tiles.tma, "ACCUMULATE": True, "OUT_BF16": False},
+                   wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n, wgrad_tiles.num_stages),
     ]
-
-
-def _output_tiles_param(tma_store: bool, tile_rows: int):
-    """(signature, constexprs) entries of a kernel's c_desc: a descriptor of BF16 bits in
-    [tile_rows, 128] tiles with tma_store, else None."""
-    if tma_store:
-        return {"c_desc": f"tensordesc<i16[{tile_rows}, {FP8_BLOCK}]>"}, {}
-    return {}, {"c_desc": None}
 
 
 def _fp8_operand_type(tiles: GemmTiles, tile_rows: int) -> str:

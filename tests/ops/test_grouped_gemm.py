@@ -172,27 +172,6 @@ def test_tma_and_pointer_loads_give_the_same_bits(device, halves):
                        K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=pointer))
 
 
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tma_loads", [False, True])
-def test_tma_stores_give_the_per_thread_stores_bits(device, out_dtype, tma_loads):
-    """Output tiles copied whole by TMA where a tile holds only its expert's rows, stored under a
-    mask where it ends past them (COUNTS has both, and empty and one-token experts): the same bits,
-    and no row of the next expert overwritten. The fp32 accumulation keeps its per-thread path."""
-    per_thread = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=2, row_halves=2, tma=tma_loads)
-    tma_store = dataclasses.replace(per_thread, tma_store=True)
-    rows, weights = _rows_operand(sum(COUNTS), 256, device, seed=17), _weights(len(COUNTS), 128, 256, device, seed=18)
-    offsets = _offsets(COUNTS, device)
-    expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=per_thread)
-    assert torch.equal(K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=tma_store), expected)
-    grad_cols, x_cols = _cols_operands(COUNTS, 256, 128, device, seed=19)
-    expected = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=per_thread)
-    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=tma_store), expected)
-    buffers = [torch.full((256, 128), 0.5, device=device) for _ in COUNTS]
-    K.grouped_wgrad(grad_cols, x_cols, accumulate_into=buffers, tiles=tma_store)
-    expected_fp32 = K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=per_thread)
-    assert all(torch.equal(buffer, expected_fp32[e] + 0.5) for e, buffer in enumerate(buffers))
-
-
 def test_grouped_wgrad_without_tokens(device):
     """Operands of no token columns at all (one expert without tokens): zero gradients."""
     offsets = torch.zeros(2, dtype=torch.int64, device=device)
