@@ -172,6 +172,24 @@ def test_tma_and_pointer_loads_give_the_same_bits(device, halves):
                        K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=pointer))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_trimmed_last_tiles_give_the_same_bits(device, out_dtype):
+    """An expert's last tile whose bottom half holds none of its rows computes its top half only:
+    the same output (COUNTS has such tiles: 3 and 1 rows, 130 = 128 + 2, and 70, whose bottom half
+    is partly its own), and the option is refused where it does not apply."""
+    full = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=2, row_halves=2)
+    trimmed = dataclasses.replace(full, trim_last_tile=True)
+    rows, weights = _rows_operand(sum(COUNTS), 256, device, seed=17), _weights(len(COUNTS), 128, 256, device, seed=18)
+    offsets = _offsets(COUNTS, device)
+    assert torch.equal(K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=trimmed),
+                       K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=full))
+    with pytest.raises(ValueError, match="two row halves"):
+        K.grouped_gemm_by_weight(rows, weights, offsets, tiles=GemmTiles(64, 128, 4, 2, trim_last_tile=True))
+    grad_cols, x_cols = _cols_operands(COUNTS, 128, 128, device, seed=19)
+    with pytest.raises(ValueError, match="forward and data gradients only"):
+        K.grouped_wgrad(grad_cols, x_cols, tiles=dataclasses.replace(TMA_TILES, trim_last_tile=True))
+
+
 def test_grouped_wgrad_without_tokens(device):
     """Operands of no token columns at all (one expert without tokens): zero gradients."""
     offsets = torch.zeros(2, dtype=torch.int64, device=device)
