@@ -1,5 +1,7 @@
 """Convergence on real text: BF16, FP8 and FP4 runs of the convergence proxy (configs/convergence/)
 trained side by side on one GPU, then their final whole-validation loss against BF16 of the same seed.
+A config whose cluster section names more GPUs (fp4_ep2.yaml: expert parallelism 2) trains on that
+many (GPUs 0.., shared with the other runs); its rows say how many (`gpus`).
 
     python -m benchmarks.bench_convergence                        # the default runs, 2000 iterations
     python -m benchmarks.bench_convergence --iters 20 --runs bf16,fp4 --budget-s 100   # smoke
@@ -13,7 +15,8 @@ rendezvous port) with its own run directory, log and dataset index cache, and pr
 which iteration until all end or --budget-s passes (then the rest are stopped and reported as not
 finished). From each log (benchmarks/convergence_log.py): the lm loss every --log-interval, Megatron's
 final validation over the whole validation split, NaN and skipped iterations, the largest
-step-to-step rise of the logged loss, tokens/s (the runs share the GPU: not comparable to a run alone).
+step-to-step rise of the logged loss, tokens/s (the runs share the GPU: not comparable to a run alone,
+and written only where the reference trained on as many GPUs).
 
 Rows (benchmarks/rows.py) go to $MEGATRON_FP4_BENCH_RESULTS (default benchmarks/results/):
 convergence.jsonl (bench=convergence: per run the final validation loss with reference = the BF16 run
@@ -176,11 +179,21 @@ def command(run: Run, iters: int, corpus: Path, run_dir: Path) -> List[str]:
 
 
 def environment(run: Run, run_dir: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_FP4_DATA_SEED", "RUN_ID", "NNODES")}
+    # The config's cluster section decides the GPUs (run_gpus), not a variable left in the caller's shell.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MEGATRON_FP4_DATA_SEED", "RUN_ID", "NNODES", "GPUS_PER_NODE")}
     env["RUN_DIR"] = str(run_dir)
     if run.data_seed is not None:
         env["MEGATRON_FP4_DATA_SEED"] = str(run.data_seed)
     return env
+
+
+def run_gpus(run: Run) -> int:
+    """The GPUs a run trains on, as scripts/launch.py starts it: its config's nodes x GPUs per node."""
+    from megatron_fp4.run_config import load_config
+
+    cluster = load_config(run.config_path()).cluster
+    return int(cluster.get("nodes", 1)) * int(cluster.get("gpus_per_node", 1))
 
 
 def config_numbers(run: Run) -> dict:
@@ -437,7 +450,7 @@ def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str],
         about = {"config": run.config_name, "seed": run.seed, "data_seed": log.data_seed, "status": status[run.name],
                  "validation_samples": log.validation_samples, "validation_sha256": log.validation_sha256,
                  "nan_iterations": log.nan_iterations, "skipped_iterations": log.skipped_iterations,
-                 "flags": list(run.flags), **sizes}
+                 "flags": list(run.flags), "gpus": run_gpus(run), **sizes}
         results.add(run.name, "iterations completed", log.last_iteration, "iterations", "iterations asked", iters,
                     better="closer_to_1", **about)
         if reference is None:
@@ -460,7 +473,8 @@ def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str],
             results.add(run.name, "largest step-to-step loss rise", jump, LOSS_UNIT, label, ref_jump,
                         better="lower", at_iteration=at, **about)
         rate, ref_rate = (tokens_per_second(l.points, sizes["tokens_per_iteration"]) for l in (log, ref_log))
-        if rate and ref_rate and not reference.other_invocation:  # another invocation shared the GPU otherwise
+        # Comparable only on the same GPUs, shared by the same runs (not another invocation's).
+        if rate and ref_rate and not reference.other_invocation and about["gpus"] == run_gpus(reference.run):
             results.add(run.name, "tokens per second (GPU shared by all runs)", rate, "tokens/s",
                         label, ref_rate, better="higher", **about)
         ref_losses = {p.iteration: p.lm_loss for p in ref_log.points}
@@ -468,7 +482,7 @@ def write_rows(runs: List[Run], logs: Dict[str, RunLog], status: Dict[str, str],
             if math.isfinite(point.lm_loss) and math.isfinite(ref_losses.get(point.iteration, math.nan)):
                 curves.add(run.name, "lm loss", point.lm_loss, LOSS_UNIT, label, ref_losses[point.iteration],
                            better="closer_to_1", iteration=point.iteration, role=about["role"],
-                           reference_run=reference.run.name, seed=run.seed)
+                           reference_run=reference.run.name, seed=run.seed, gpus=about["gpus"])
     results.write()
     curves.write()
 

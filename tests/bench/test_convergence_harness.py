@@ -373,3 +373,32 @@ def test_runs_of_ones_own_replace_the_default_set_unless_runs_names_more():
     assert [run.name for run in harness.parse_args([]).selected] == list(harness.DEFAULT_RUNS)
     with pytest.raises(SystemExit):
         harness.parse_args(["--runs", ""])  # nothing to run
+
+
+def test_a_run_on_two_gpus_says_so(tmp_path, monkeypatch, small_corpus, capsys):
+    """A config whose cluster names two GPUs (as fp4_ep2.yaml's; BF16 here, since the launcher refuses
+    the FP4 flags without CUDA): its launcher starts two processes, its rows say gpus 2, and its
+    tokens/s are not set against its one-GPU BF16 reference's."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    bf16 = ROOT / "configs" / "convergence" / "bf16.yaml"
+    (configs / "bf16.yaml").write_text(f"include: {bf16}\n")
+    (configs / "bf16_ep2.yaml").write_text(f"include: {bf16}\ncluster: {{gpus_per_node: 2}}\n"
+                                           "expert_model_parallel_size: 2\nmicro_batch_size: 16\n")
+    record_argv = (f"import os, sys; open(os.path.join(os.environ['RUN_DIR'], 'torchrun_argv.txt'), 'w')"
+                   f".write(' '.join(sys.argv[1:])); {PRINT_THE_LOG}")
+    monkeypatch.setenv("GPUS_PER_NODE", "8")  # left in the caller's shell: the config decides
+    status = _harness(tmp_path, monkeypatch, record_argv, "--run", f"ref {configs / 'bf16.yaml'} 1234",
+                      "--run", f"ep2 {configs / 'bf16_ep2.yaml'} 1234", "--iters", "6")
+    assert status == 0, capsys.readouterr().out[-3000:]
+    for name, gpus in (("ref", 1), ("ep2", 2)):
+        argv = (tmp_path / "runs" / name / "torchrun_argv.txt").read_text().split()
+        assert argv[argv.index("--nproc-per-node") + 1] == str(gpus)
+        assert argv[argv.index("--expert-model-parallel-size") + 1] == str(gpus)
+    results = [json.loads(line) for line in (tmp_path / "results" / "convergence.jsonl").read_text().splitlines()]
+    curves = [json.loads(line) for line in (tmp_path / "results" / "convergence_curves.jsonl").read_text().splitlines()]
+    assert {(r["case"], r["gpus"]) for r in results + curves} == {("ref", 1), ("ep2", 2)}
+    rates = {r["case"] for r in results if r["metric"].startswith("tokens per second")}
+    assert rates == {"ref"}
+    final = [r for r in results if r["case"] == "ep2" and r["metric"].startswith("final validation")]
+    assert len(final) == 1 and final[0]["reference_run"] == "ref" and final[0]["role"] == "compared"

@@ -27,6 +27,9 @@ PRECISION = {  # the FP4 flags each run config must put on the command line
 # Nothing inexact kept in MXFP4 (issue 20, item 5).
 PRECISION["fp4_dispatch_experts_storage_none"] = {**PRECISION["fp4_dispatch_experts"], "--moe-fp4-storage": "none"}
 PRECISION["fp4_storage_none"] = {**PRECISION["fp4_dispatch_experts_linears"], "--moe-fp4-storage": "none"}
+# The whole recipe with expert parallelism 2 on two GPUs (issue 19), the same global batch.
+PRECISION["fp4_ep2"] = PRECISION["fp4"]
+GPUS = {"fp4_ep2": 2}  # every other config trains on one GPU
 # The FP8 linears' ablation by role: the FP8 and FP4 configs with some roles left to BF16.
 for _precision in ("fp8", "fp4"):
     PRECISION[f"{_precision}_bf16_attention"] = {**PRECISION[_precision], "--moe-fp4-bf16-linears": "attention"}
@@ -45,7 +48,11 @@ def test_dry_run(config, monkeypatch, tmp_path, capsys):
         monkeypatch.delenv(name, raising=False)
     assert torchrun.main(["--dry-run", str(config), "--train-iters", "20"]) == 0, capsys.readouterr().err
     words = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
-    assert words[words.index("--nproc-per-node") + 1] == "1"
+    gpus = GPUS.get(config.stem, 1)
+    assert words[words.index("--nproc-per-node") + 1] == str(gpus)
+    assert words[words.index("--expert-model-parallel-size") + 1] == str(gpus)
+    micro, batch = (int(words[words.index(f) + 1]) for f in ("--micro-batch-size", "--global-batch-size"))
+    assert batch == 32 and micro * gpus == batch
     assert "--full-validation" in words and "--save" not in words and "--mock-data" not in words
     assert words[words.index("--eval-global-batch-size") + 1] == words[words.index("--eval-micro-batch-size") + 1] == "1"
     assert words[words.index("--tokenizer-type") + 1] == "NullTokenizer"
