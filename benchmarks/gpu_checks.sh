@@ -17,7 +17,8 @@
 # work over two device calls,
 # e.g. CHECKS="bench_moe_cache profile_fp4_fp8 train_proxy" TRAIN_ITERS=200; TRAIN_ITERS (60) for the proxy run; BENCH_EXPERTS (16 per 2 GPUs, 32 on 4);
 # MEMCAP_CONFIGS (memcap_bf16_attn memcap_fp4_fp8_attn): the configs/proxy/ names run under their cap;
-# proxy_memory (benchmarks/bench_proxy_memory.py, the one-GPU memory-cap proxies) runs only when CHECKS names it;
+# proxy_memory (benchmarks/bench_proxy_memory.py, the one-GPU memory-cap proxies) and convergence_ep2 (the
+# convergence proxy's FP4 recipe at EP 2; CONVERGENCE_BUDGET_S, 420) run only when CHECKS names them;
 # MEGATRON_WHEEL_DIR (.whl): megatron-core wheels installed to /tmp/site when not importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +77,13 @@ fi
 # proxy_memory.
 if [[ " ${CHECKS:-} " == *" proxy_memory "* ]]; then
     step proxy_memory python3 -m benchmarks.bench_proxy_memory
+fi
+# The convergence proxy's whole FP4 recipe at expert parallelism 2 (configs/convergence/fp4_ep2.yaml,
+# 2000 iterations, a few minutes) beside the same recipe on one GPU (fp4), both against the stored
+# one-GPU BF16 run of seed 1234: only when CHECKS names convergence_ep2, on 2+ GPUs.
+if ((GPUS >= 2)) && [[ " ${CHECKS:-} " == *" convergence_ep2 "* ]]; then
+    step convergence_ep2 env PLOT=runs/convergence_ep2.png bash benchmarks/convergence.sh --runs fp4 \
+        --run "fp4_ep2 fp4_ep2 1234" --reference-rows benchmarks/results --budget-s "${CONVERGENCE_BUDGET_S:-420}"
 fi
 step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-60}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \
     --moe-fp4-experts fp8
