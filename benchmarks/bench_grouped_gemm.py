@@ -53,11 +53,13 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 # The warp-specialized Gluon kernel (CUDA only) at three stage counts: 0.88x-1.02x of the default at
 # 2e84cd6 (docs/kernels.md).
 # And the default's tiles with trim_last_tile (an expert's last tile multiplies only the half that
-# holds its rows).
+# holds its rows), and with 4 or 16 row tiles per L2 group instead of 8.
 ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
     dataclasses.replace(DEFAULT_ROWS_TILES, trim_last_tile=True)] + [
+    dataclasses.replace(DEFAULT_ROWS_TILES, group_m=group_m) for group_m in (4, 16)] + [
     dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
-WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)])
+WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + [
+    dataclasses.replace(DEFAULT_WGRAD_TILES, group_m=group_m) for group_m in (4, 16)]
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
