@@ -58,8 +58,12 @@ ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1
     dataclasses.replace(DEFAULT_ROWS_TILES, trim_last_tile=True)] + [
     dataclasses.replace(DEFAULT_ROWS_TILES, group_m=group_m) for group_m in (4, 16)] + [
     dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
+# The wgrad also at 64 x 256 (a scale per column of B, so any width): fewer operand bytes per
+# product; two stages fit two programs per SM, three one.
 WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + [
-    dataclasses.replace(DEFAULT_WGRAD_TILES, group_m=group_m) for group_m in (4, 16)]
+    dataclasses.replace(DEFAULT_WGRAD_TILES, group_m=group_m) for group_m in (4, 16)] + [
+    dataclasses.replace(DEFAULT_WGRAD_TILES, block_n=256, num_warps=warps, num_stages=stages)
+    for warps, stages in ((4, 2), (8, 2), (4, 3))]
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

@@ -190,6 +190,15 @@ def test_trimmed_last_tiles_give_the_same_bits(device, out_dtype):
         K.grouped_wgrad(grad_cols, x_cols, tiles=dataclasses.replace(TMA_TILES, trim_last_tile=True))
 
 
+def test_wider_wgrad_tiles_give_the_same_bits(device):
+    """64 x 256 weight-gradient tiles (a sweep candidate: B's scales are per column, so any width)
+    compute each output element's sum in the same order as 64 x 128."""
+    grad_cols, x_cols = _cols_operands(COUNTS, 128, 512, device, seed=20)
+    wide = GemmTiles(block_m=64, block_n=256, num_warps=4, num_stages=2, tma=True)
+    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=wide),
+                       K.grouped_wgrad(grad_cols, x_cols, torch.float32))
+
+
 def test_grouped_wgrad_without_tokens(device):
     """Operands of no token columns at all (one expert without tokens): zero gradients."""
     offsets = torch.zeros(2, dtype=torch.int64, device=device)
