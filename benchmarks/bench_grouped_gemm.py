@@ -63,7 +63,11 @@ ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1
 WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + [
     dataclasses.replace(DEFAULT_WGRAD_TILES, group_m=group_m) for group_m in (4, 16)] + [
     dataclasses.replace(DEFAULT_WGRAD_TILES, block_n=256, num_warps=warps, num_stages=stages)
-    for warps, stages in ((4, 2), (8, 2), (4, 3))]
+    for warps, stages in ((4, 2), (8, 2), (4, 3))] + [
+    # Persistent programs, one K loop over all their tiles (the next tile's loads overlap a tile's
+    # end): 64 x 128 at 2 or 3 programs per SM (57 KB with BF16 output, 82 KB adding into fp32), 64 x 256 at 2.
+    dataclasses.replace(DEFAULT_WGRAD_TILES, persistent_programs_per_sm=per_sm) for per_sm in (2, 3)] + [
+    dataclasses.replace(DEFAULT_WGRAD_TILES, block_n=256, persistent_programs_per_sm=2)]
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
