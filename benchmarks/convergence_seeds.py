@@ -20,6 +20,10 @@ order, length and validation set: repeats), and says how many there are and how 
 
     python -m benchmarks.convergence_seeds                          # fp8.yaml and fp4.yaml, 2000 iterations
     python -m benchmarks.convergence_seeds --configs fp4.yaml fp4_bf16_grads.yaml
+    python -m benchmarks.convergence_seeds --configs h512/fp4.yaml "h512/fp4.yaml --moe-fp4-storage experts"
+
+A setting is a config file name, optionally followed by the flags its runs added (`--run "NAME
+CONFIG SEED FLAGS..."`): only rows with exactly those flags count for it.
 """
 
 import argparse
@@ -49,7 +53,7 @@ class Spread(NamedTuple):
 
 
 class SettingSummary(NamedTuple):
-    config: str
+    setting: str  # the config file name, then the runs' flags, if any
     seeds: List[SeedResult]
     final: Spread  # of the final validation deviations
     training: Spread  # of the training deviations (over the seeds that have a curve)
@@ -94,15 +98,18 @@ def _spread(values: List[float]) -> Spread:
     return Spread(statistics.fmean(values), sd, sd / math.sqrt(len(values)))
 
 
-def summarize(rows: List[dict], config: str, iters: int, curves: Sequence[dict] = ()) -> SettingSummary:
-    """The summary of one setting (a config file name, e.g. "fp4.yaml") over the rows given in the
-    order they were written, with the training deviations from `curves` (convergence_curves rows)."""
+def summarize(rows: List[dict], setting: str, iters: int, curves: Sequence[dict] = ()) -> SettingSummary:
+    """The summary of one setting (a config file name, e.g. "fp4.yaml", then the runs' flags, if any)
+    over the rows given in the order they were written, with the training deviations from `curves`
+    (convergence_curves rows)."""
+    config, *flags = setting.split()
     by_seed: Dict[int, List[dict]] = {}
     for row in rows:
-        if _counted(row, iters) and row.get("config") == config and not row.get("flags"):
+        if _counted(row, iters) and row.get("config") == config and list(row.get("flags") or []) == flags:
             by_seed.setdefault(row["seed"], []).append(row)
     if not by_seed:
-        raise ValueError(f"no finished {iters}-iteration rows of {config} compared with BF16; check --configs and --iters")
+        raise ValueError(f"no finished {iters}-iteration rows of {setting} compared with BF16; check --configs and "
+                         "--iters")
     curves = list(curves)
     seeds = []
     for seed, runs in by_seed.items():
@@ -114,7 +121,7 @@ def summarize(rows: List[dict], config: str, iters: int, curves: Sequence[dict] 
         seeds.append(SeedResult(seed, standing["ratio"] - 1.0, standing["commit"], len(runs),
                                 training_deviation(curves, standing, iters), repeats,
                                 standing["value"] / statistics.fmean(repeats) - 1.0))
-    return SettingSummary(config, seeds, _spread([s.deviation for s in seeds]),
+    return SettingSummary(setting, seeds, _spread([s.deviation for s in seeds]),
                           _spread([s.training_deviation for s in seeds]), _spread([s.repeats_deviation for s in seeds]))
 
 
@@ -134,7 +141,7 @@ def table(summaries: List[SettingSummary]) -> str:
         for s in summaries:
             seeds = ", ".join(f"{r.seed}: {_percent(of_seed(r))} ({detail(r)})" for r in s.seeds)
             spread = spread_of(s)
-            lines.append(f"| {s.config} | {seeds} | {_percent(spread.mean)} | {_points(spread.sd)} | "
+            lines.append(f"| {s.setting} | {seeds} | {_percent(spread.mean)} | {_points(spread.sd)} | "
                          f"{_points(spread.se)} |")
         lines.append("")
     return "\n".join(lines[:-1])
@@ -163,7 +170,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, default=Path("benchmarks/results"),
                    help="folder of convergence.jsonl (and convergence_curves.jsonl, for the training deviations)")
-    p.add_argument("--configs", nargs="+", default=["fp8.yaml", "fp4.yaml"], help="settings (config file names)")
+    p.add_argument("--configs", nargs="+", default=["fp8.yaml", "fp4.yaml"], help="settings: config file names, each optionally followed by its runs' flags "
+                                                                      "(one quoted argument)")
     p.add_argument("--iters", type=int, default=2000)
     args = p.parse_args(argv)
     path = args.results / "convergence.jsonl"

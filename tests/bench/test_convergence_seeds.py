@@ -58,6 +58,14 @@ def test_the_training_deviation_is_the_second_half_of_the_standing_rows_curve():
     assert math.isnan(cs.summarize(ROWS, "fp8.yaml", 2000, curves).seeds[0].training_deviation)  # no curve of its own
 
 
+def test_a_setting_with_flags_counts_only_rows_with_exactly_those_flags():
+    s = cs.summarize(ROWS, "fp4.yaml --moe-fp4-linears-grad bf16", 2000)
+    assert [(r.seed, r.deviation) for r in s.seeds] == [(5, pytest.approx(0.1))]
+    assert s.setting == "fp4.yaml --moe-fp4-linears-grad bf16"
+    with pytest.raises(ValueError, match="no finished 2000-iteration rows of fp4.yaml --moe-fp4-linears-grad fp8"):
+        cs.summarize(ROWS, "fp4.yaml --moe-fp4-linears-grad fp8", 2000)
+
+
 def test_one_seed_has_no_spread_and_a_setting_without_rows_is_refused():
     s = cs.summarize(ROWS, "fp8.yaml", 2000)
     assert s.final.mean == pytest.approx(0.003) and math.isnan(s.final.sd) and math.isnan(s.final.se)
