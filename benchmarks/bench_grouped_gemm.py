@@ -52,22 +52,9 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 # a532c18, ran at 0.32-0.73 of the default and gave other bits with two row halves.)
 # The warp-specialized Gluon kernel (CUDA only) at three stage counts: 0.88x-1.02x of the default at
 # 2e84cd6 (docs/kernels.md).
-# And the default's tiles with trim_last_tile (an expert's last tile multiplies only the half that
-# holds its rows), and with 4 or 16 row tiles per L2 group instead of 8.
 ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
-    dataclasses.replace(DEFAULT_ROWS_TILES, trim_last_tile=True)] + [
-    dataclasses.replace(DEFAULT_ROWS_TILES, group_m=group_m) for group_m in (4, 16)] + [
     dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
-# The wgrad also at 64 x 256 (a scale per column of B, so any width): fewer operand bytes per
-# product; two stages fit two programs per SM, three one.
-WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + [
-    dataclasses.replace(DEFAULT_WGRAD_TILES, group_m=group_m) for group_m in (4, 16)] + [
-    dataclasses.replace(DEFAULT_WGRAD_TILES, block_n=256, num_warps=warps, num_stages=stages)
-    for warps, stages in ((4, 2), (8, 2), (4, 3))] + [
-    # Persistent programs, one K loop over all their tiles (the next tile's loads overlap a tile's
-    # end): 64 x 128 at 2 or 3 programs per SM (57 KB with BF16 output, 82 KB adding into fp32), 64 x 256 at 2.
-    dataclasses.replace(DEFAULT_WGRAD_TILES, persistent_programs_per_sm=per_sm) for per_sm in (2, 3)] + [
-    dataclasses.replace(DEFAULT_WGRAD_TILES, block_n=256, persistent_programs_per_sm=2)]
+WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)])
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

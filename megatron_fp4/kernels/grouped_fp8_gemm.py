@@ -54,17 +54,6 @@ class GemmTiles:
     # of per-thread pointer loads: the copies cost no registers or instructions of the program's
     # threads, and rows past the end of A read as zeros.
     tma: bool = False
-    # fprop / dgrad with two row halves: an expert's last row tile whose bottom half holds none of the
-    # expert's rows multiplies its top half only (its own loop; the same bits, since the bottom rows
-    # are never stored). With the benchmark's ragged counts at 32 experts the 128-row tiles compute
-    # 5.2% more rows than there are, 2.7% with this.
-    trim_last_tile: bool = False
-    # wgrad only: launch this many programs per SM (on the CPU interpreter: in all), each taking every
-    # P-th output tile of the experts with tokens and running all its tiles' K steps as one loop, so
-    # that the next tile's loads are in flight while a tile finishes (an expert's K is its tokens:
-    # ~8 steps of 128 at 32 experts, where a tile per program pays its pipeline's fill every time).
-    # 0: one program per tile. The same bits.
-    persistent_programs_per_sm: int = 0
     # fprop / dgrad only, CUDA only: the Gluon kernel of grouped_fp8_gemm_ws (a producer warp
     # loading through TMA, two consumer warpgroups on the two 64-row halves), the same bits. Its
     # tiles are fixed (WARP_SPECIALIZED_ROWS below) but for num_stages and group_m.
@@ -144,7 +133,6 @@ def _grouped_gemm_rows_kernel(
     GROUP_M: tl.constexpr,
     ROW_HALVES: tl.constexpr,
     TMA: tl.constexpr,
-    TRIM_LAST_TILE: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
     SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
@@ -173,51 +161,31 @@ def _grouped_gemm_rows_kernel(
         a_scale_bottom = a_scales_ptr + bottom
         # BLOCK_N is one weight block: one B scale per K block.
         b_scale = b_scales_ptr + (expert64 * (N // BLOCK_K) + tile_n) * B_SCALE_STRIDE
-        w_row = expert * N + tile_n * BLOCK_N
-        if ROW_HALVES == 2 and TRIM_LAST_TILE:
-            if first_row + SUB_M < end_row:
-                acc_top, acc_bottom = _rows_products(a, a_top, a_bottom, a_scale_top, a_scale_bottom, b, w_tile, w_row,
-                                                     b_scale, first_row, num_rows, K, SUB_M, BLOCK_N, BLOCK_K, 2, TMA)
-            else:  # the expert's last tile, its bottom half all the next expert's rows: not computed
-                acc_top, acc_bottom = _rows_products(a, a_top, a_bottom, a_scale_top, a_scale_bottom, b, w_tile, w_row,
-                                                     b_scale, first_row, num_rows, K, SUB_M, BLOCK_N, BLOCK_K, 1, TMA)
-        else:
-            acc_top, acc_bottom = _rows_products(a, a_top, a_bottom, a_scale_top, a_scale_bottom, b, w_tile, w_row,
-                                                 b_scale, first_row, num_rows, K, SUB_M, BLOCK_N, BLOCK_K, ROW_HALVES,
-                                                 TMA)
+        acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+        acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+        # Each K step's scales are new cache lines, whose latency from L2 is longer than a product:
+        # they are loaded a step ahead (the last step reloads its own).
+        sa_top, sa_bottom, sb = _step_scales(a_scale_top, a_scale_bottom, b_scale, 0, num_rows, 1, ROW_HALVES)
+        for k_block in range(K // BLOCK_K):
+            k0 = k_block * BLOCK_K
+            next_sa_top, next_sa_bottom, next_sb = _step_scales(
+                a_scale_top, a_scale_bottom, b_scale, tl.minimum(k_block + 1, K // BLOCK_K - 1), num_rows, 1,
+                ROW_HALVES)
+            w = _tile(b, w_tile, expert * N + tile_n * BLOCK_N, k0, True, TMA)
+            acc_top = _scaled_add(acc_top, tl.dot(_tile(a, a_top, first_row, k0, False, TMA), w), sa_top, sb, False)
+            if ROW_HALVES == 2:
+                acc_bottom = _scaled_add(acc_bottom, tl.dot(_tile(a, a_bottom, first_row + SUB_M, k0, False, TMA), w),
+                                         sa_bottom, sb, False)
+            if not TMA:
+                a_top += BLOCK_K
+                a_bottom += BLOCK_K
+                w_tile += BLOCK_K
+            sa_top, sa_bottom, sb = next_sa_top, next_sa_bottom, next_sb
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out = c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
         store_rounded(out, acc_top, (rows < end_row)[:, None], OUT_BF16)
         if ROW_HALVES == 2:
             store_rounded(out + SUB_M * N, acc_bottom, (rows + SUB_M < end_row)[:, None], OUT_BF16)
-
-
-@triton.jit
-def _rows_products(a, a_top, a_bottom, a_scale_top, a_scale_bottom, b, w_tile, w_row, b_scale, first_row, num_rows,
-                   K: tl.constexpr, SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ROW_HALVES: tl.constexpr, TMA: tl.constexpr):
-    """(top, bottom) fp32 sums of a row tile of the rows kernel over all of K (bottom: zeros when
-    ROW_HALVES is 1); the operands as _grouped_gemm_rows_kernel prepares them, B's tile at w_row."""
-    acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-    acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-    # Each K step's scales are new cache lines, whose latency from L2 is longer than a product:
-    # they are loaded a step ahead (the last step reloads its own).
-    sa_top, sa_bottom, sb = _step_scales(a_scale_top, a_scale_bottom, b_scale, 0, num_rows, 1, ROW_HALVES)
-    for k_block in range(K // BLOCK_K):
-        k0 = k_block * BLOCK_K
-        next_sa_top, next_sa_bottom, next_sb = _step_scales(
-            a_scale_top, a_scale_bottom, b_scale, tl.minimum(k_block + 1, K // BLOCK_K - 1), num_rows, 1, ROW_HALVES)
-        w = _tile(b, w_tile, w_row, k0, True, TMA)
-        acc_top = _scaled_add(acc_top, tl.dot(_tile(a, a_top, first_row, k0, False, TMA), w), sa_top, sb, False)
-        if ROW_HALVES == 2:
-            acc_bottom = _scaled_add(acc_bottom, tl.dot(_tile(a, a_bottom, first_row + SUB_M, k0, False, TMA), w),
-                                     sa_bottom, sb, False)
-        if not TMA:
-            a_top += BLOCK_K
-            a_bottom += BLOCK_K
-            w_tile += BLOCK_K
-        sa_top, sa_bottom, sb = next_sa_top, next_sa_bottom, next_sb
-    return acc_top, acc_bottom
 
 
 @triton.jit
@@ -287,106 +255,6 @@ def _grouped_wgrad_kernel(
 
 
 @triton.jit
-def _grouped_wgrad_persistent_kernel(
-    a,  # as _grouped_wgrad_kernel's, with one row half
-    a_scales_ptr,
-    b,
-    b_scales_ptr,
-    offsets_ptr,
-    c_ptr,
-    row_stride,
-    num_experts,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    TMA: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-):
-    """_grouped_wgrad_kernel's sums (the same order, so the same bits) from persistent programs: the
-    output tiles of the experts with tokens form one space, expert by expert, and program p takes
-    tiles p, p + P, p + 2P, ... Its K steps over all those tiles are one loop, which the compiler
-    pipelines across a tile's end."""
-    tiles_per_expert: tl.constexpr = (N // BLOCK_M) * (K // BLOCK_N)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    expert_ids = tl.arange(0, EXPERTS_POW2)
-    in_range = expert_ids < num_experts
-    starts = tl.load(offsets_ptr + expert_ids, mask=in_range, other=0)
-    steps = (tl.load(offsets_ptr + expert_ids + 1, mask=in_range, other=0) - starts) // BLOCK_K
-    tiles = tl.where(steps > 0, tiles_per_expert, 0)
-    tile_ends = tl.cumsum(tiles, axis=0)
-    # Steps of this program: per expert, how many of its tiles are p modulo P, times its K steps.
-    mine_before = (tl.maximum(tile_ends - tiles - pid, 0) + programs - 1) // programs
-    mine_through = (tl.maximum(tile_ends - pid, 0) + programs - 1) // programs
-    total_steps = tl.sum((mine_through - mine_before) * steps, axis=0)
-    if not ACCUMULATE:  # an expert without tokens: its gradient is written as zeros
-        _zero_wgrad_tiles(c_ptr, pid, programs, expert_ids, (steps == 0) & in_range, N, K, BLOCK_M, BLOCK_N, GROUP_M,
-                          OUT_BF16)
-    tile = pid
-    expert, tile_m, tile_n, first_col, num_k = _wgrad_tile(tile, expert_ids, starts, steps, tiles, tile_ends,
-                                                           in_range, N, K, BLOCK_M, BLOCK_N, GROUP_M)
-    k_block = 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(total_steps):
-        k0 = first_col + k_block * BLOCK_K
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        a_tile = None
-        x_tile = None
-        if not TMA:
-            tokens = k0 + tl.arange(0, BLOCK_K)
-            a_tile = a + rows[:, None].to(tl.int64) * row_stride + tokens[None, :]
-            x_tile = b + cols[None, :].to(tl.int64) * row_stride + tokens[:, None]
-        sa = tl.load(a_scales_ptr + (k0 // BLOCK_K) * N + rows)
-        sb = tl.load(b_scales_ptr + (k0 // BLOCK_K) * K + cols)
-        product = tl.dot(_tile(a, a_tile, tile_m * BLOCK_M, k0, False, TMA), _tile(b, x_tile, tile_n * BLOCK_N, k0,
-                                                                                   True, TMA))
-        acc = _scaled_add(acc, product, sa, sb, True)
-        k_block += 1
-        if k_block == num_k:
-            _store_wgrad(c_ptr, expert, rows, cols, acc, N, K, ACCUMULATE, OUT_BF16)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            k_block = 0
-            tile += programs
-            expert, tile_m, tile_n, first_col, num_k = _wgrad_tile(tile, expert_ids, starts, steps, tiles, tile_ends,
-                                                                   in_range, N, K, BLOCK_M, BLOCK_N, GROUP_M)
-
-
-@triton.jit
-def _wgrad_tile(tile, expert_ids, starts, steps, tiles, tile_ends, in_range, N: tl.constexpr, K: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(expert, row tile, column tile, first token column, K steps) of tile `tile` of the persistent
-    wgrad's space (past its end: expert == num_experts and no K steps)."""
-    expert = tl.sum(((tile_ends <= tile) & in_range).to(tl.int32), axis=0)
-    mine = expert_ids == expert
-    within = tile - tl.sum(tl.where(mine, tile_ends - tiles, 0), axis=0)
-    tile_m, tile_n = swizzled(within, N // BLOCK_M, K // BLOCK_N, GROUP_M)
-    return (expert, tile_m, tile_n, tl.sum(tl.where(mine, starts, 0), axis=0),
-            tl.sum(tl.where(mine, steps, 0), axis=0))
-
-
-@triton.jit
-def _zero_wgrad_tiles(c_ptr, pid, programs, expert_ids, empty, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, OUT_BF16: tl.constexpr):
-    """Zeros into every P-th output tile, from pid on, of the experts marked `empty` (each has
-    tiles_per_expert of them, one after the other)."""
-    tiles_per_expert: tl.constexpr = (N // BLOCK_M) * (K // BLOCK_N)
-    empty_before = tl.cumsum(empty.to(tl.int32), axis=0)
-    for tile in range(pid, tl.sum(empty.to(tl.int32), axis=0) * tiles_per_expert, programs):
-        expert = tl.sum(tl.where(empty & (empty_before == tile // tiles_per_expert + 1), expert_ids, 0), axis=0)
-        tile_m, tile_n = swizzled(tile % tiles_per_expert, N // BLOCK_M, K // BLOCK_N, GROUP_M)
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _store_wgrad(c_ptr, expert, rows, cols, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), N, K, False,
-                     OUT_BF16)
-
-
-@triton.jit
 def _store_wgrad(c_ptr, expert, rows, cols, acc, N: tl.constexpr, K: tl.constexpr, ACCUMULATE: tl.constexpr,
                  OUT_BF16: tl.constexpr):
     """One tile of expert `expert`'s weight gradient: written, or added to its fp32 buffer."""
@@ -401,12 +269,8 @@ def _store_wgrad(c_ptr, expert, rows, cols, acc, N: tl.constexpr, K: tl.constexp
 def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
     if tiles.block_n != FP8_BLOCK or tiles.row_halves not in (1, 2):
         raise ValueError(f"{name}: block_n must be {FP8_BLOCK} (one weight block) and row_halves 1 or 2, got {tiles}")
-    if tiles.trim_last_tile and tiles.row_halves != 2:
-        raise ValueError(f"{name}: trim_last_tile needs two row halves, got {tiles}")
-    if tiles.persistent_programs_per_sm:
-        raise ValueError(f"{name}: persistent programs are for the weight gradient only, got {tiles}")
     fixed = dict(block_m=WARP_SPECIALIZED_ROWS.block_m, num_warps=WARP_SPECIALIZED_ROWS.num_warps, row_halves=2,
-                 tma=True, trim_last_tile=False)
+                 tma=True)
     if tiles.warp_specialized and any(getattr(tiles, key) != value for key, value in fixed.items()):
         raise ValueError(f"{name}: the warp-specialized kernel takes {fixed} (only num_stages and group_m vary), "
                          f"got {tiles}")
@@ -452,8 +316,7 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
         weights.block_scales, row_offsets, _stored(out), num_rows, num_experts, num_tiles_m,
         N=n, K=k, B_SCALE_STRIDE=weights.block_scales.shape[2], EXPERTS_POW2=triton.next_power_of_2(num_experts),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
-        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, TRIM_LAST_TILE=tiles.trim_last_tile,
-        OUT_BF16=out_dtype == torch.bfloat16,
+        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -467,11 +330,8 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     With accumulate_into (one contiguous fp32 [N, K] per expert) the fp32 sums are added there
     instead, and nothing is returned."""
     name = "grouped_wgrad"
-    if tiles.warp_specialized or tiles.trim_last_tile:
-        raise ValueError(f"{name}: the warp-specialized kernel and trim_last_tile are for forward and data gradients "
-                         f"only, got {tiles}")
-    if tiles.persistent_programs_per_sm < 0 or (tiles.persistent_programs_per_sm and tiles.row_halves != 1):
-        raise ValueError(f"{name}: persistent programs take a count >= 1 per SM and one row half, got {tiles}")
+    if tiles.warp_specialized:
+        raise ValueError(f"{name}: the warp-specialized kernel computes forward and data gradients only, got {tiles}")
     for operand in (grad_cols, input_cols):
         if not isinstance(operand, FP8BlockTensor) or operand.layout != COLWISE:
             raise TypeError(f"{name}: expected colwise FP8BlockTensors")
@@ -495,25 +355,16 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         out, target = None, address_table(name, accumulate_into)
     if capacity == 0:  # no token at all: zero gradients (nothing to add); a TMA descriptor needs a width
         return None if out is None else out.zero_()
-    operands = (_operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
-                grad_cols.block_scales, _operand(name, input_cols.data, (tiles.block_n, FP8_BLOCK), tiles.tma),
-                input_cols.block_scales, offsets, target, capacity)
-    shared = dict(N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
-                  TMA=tiles.tma, ACCUMULATE=accumulate_into is not None, OUT_BF16=out_dtype == torch.bfloat16,
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    num_tiles = num_experts * (n // tiles.block_m) * (k // tiles.block_n)
-    if tiles.persistent_programs_per_sm:
-        programs = min(num_tiles, _processors(grad_cols.data.device) * tiles.persistent_programs_per_sm)
-        _grouped_wgrad_persistent_kernel[(programs,)](*operands, num_experts,
-                                                      EXPERTS_POW2=triton.next_power_of_2(num_experts), **shared)
-    else:
-        _grouped_wgrad_kernel[(num_tiles,)](*operands, ROW_HALVES=tiles.row_halves, **shared)
+    _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
+        _operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
+        grad_cols.block_scales, _operand(name, input_cols.data, (tiles.block_n, FP8_BLOCK), tiles.tma),
+        input_cols.block_scales, offsets, target, capacity,
+        N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
+        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, ACCUMULATE=accumulate_into is not None,
+        OUT_BF16=out_dtype == torch.bfloat16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
     return out
-
-
-def _processors(device: torch.device) -> int:
-    """The SMs a persistent launch spreads over: the GPU's, or one for the CPU interpreter."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _operand(name: str, data: torch.Tensor, block, tma: bool):
@@ -570,28 +421,17 @@ def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES
                    {"N": n, "K": k, "B_SCALE_STRIDE": padded_scale_columns(k), "EXPERTS_POW2": EXPERTS_POW2,
                     "BLOCK_M": rows_tiles.block_m, "BLOCK_N": rows_tiles.block_n, "BLOCK_K": FP8_BLOCK,
                     "GROUP_M": rows_tiles.group_m, "ROW_HALVES": rows_tiles.row_halves, "TMA": rows_tiles.tma,
-                    "TRIM_LAST_TILE": rows_tiles.trim_last_tile, "OUT_BF16": True},
+                    "OUT_BF16": True},
                    rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n, rows_tiles.num_stages),
-        _wgrad_spec(n, k, wgrad_tiles),
+        KernelSpec("grouped_wgrad", _grouped_wgrad_kernel,
+                   {"a": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_m // wgrad_tiles.row_halves),
+                    "a_scales_ptr": "*fp32", "b": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_n),
+                    "b_scales_ptr": "*fp32", "offsets_ptr": "*i64", "c_ptr": "*i64", "row_stride": "i32"},
+                   {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
+                    "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ROW_HALVES": wgrad_tiles.row_halves,
+                    "TMA": wgrad_tiles.tma, "ACCUMULATE": True, "OUT_BF16": False},
+                   wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n, wgrad_tiles.num_stages),
     ]
-
-
-def _wgrad_spec(n: int, k: int, tiles: GemmTiles) -> KernelSpec:
-    """The weight-gradient kernel that `tiles` selects, accumulating into fp32 buffers."""
-    signature = {"a": _fp8_operand_type(tiles, tiles.block_m // tiles.row_halves), "a_scales_ptr": "*fp32",
-                 "b": _fp8_operand_type(tiles, tiles.block_n), "b_scales_ptr": "*fp32", "offsets_ptr": "*i64",
-                 "c_ptr": "*i64", "row_stride": "i32"}
-    constexprs = {"N": n, "K": k, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": FP8_BLOCK,
-                  "GROUP_M": tiles.group_m, "TMA": tiles.tma, "ACCUMULATE": True, "OUT_BF16": False}
-    if tiles.persistent_programs_per_sm:
-        kernel = _grouped_wgrad_persistent_kernel
-        signature["num_experts"] = "i32"
-        constexprs["EXPERTS_POW2"] = EXPERTS_POW2
-    else:
-        kernel = _grouped_wgrad_kernel
-        constexprs["ROW_HALVES"] = tiles.row_halves
-    return KernelSpec("grouped_wgrad", kernel, signature, constexprs, tiles.num_warps, tiles.block_m * tiles.block_n,
-                      tiles.num_stages)
 
 
 def _fp8_operand_type(tiles: GemmTiles, tile_rows: int) -> str:

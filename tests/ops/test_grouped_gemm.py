@@ -172,56 +172,6 @@ def test_tma_and_pointer_loads_give_the_same_bits(device, halves):
                        K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=pointer))
 
 
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_trimmed_last_tiles_give_the_same_bits(device, out_dtype):
-    """An expert's last tile whose bottom half holds none of its rows computes its top half only:
-    the same output (COUNTS has such tiles: 3 and 1 rows, 130 = 128 + 2, and 70, whose bottom half
-    is partly its own), and the option is refused where it does not apply."""
-    full = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=2, row_halves=2)
-    trimmed = dataclasses.replace(full, trim_last_tile=True)
-    rows, weights = _rows_operand(sum(COUNTS), 256, device, seed=17), _weights(len(COUNTS), 128, 256, device, seed=18)
-    offsets = _offsets(COUNTS, device)
-    assert torch.equal(K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=trimmed),
-                       K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=full))
-    with pytest.raises(ValueError, match="two row halves"):
-        K.grouped_gemm_by_weight(rows, weights, offsets, tiles=GemmTiles(64, 128, 4, 2, trim_last_tile=True))
-    grad_cols, x_cols = _cols_operands(COUNTS, 128, 128, device, seed=19)
-    with pytest.raises(ValueError, match="forward and data gradients only"):
-        K.grouped_wgrad(grad_cols, x_cols, tiles=dataclasses.replace(TMA_TILES, trim_last_tile=True))
-
-
-def test_wider_wgrad_tiles_give_the_same_bits(device):
-    """64 x 256 weight-gradient tiles (a sweep candidate: B's scales are per column, so any width)
-    compute each output element's sum in the same order as 64 x 128."""
-    grad_cols, x_cols = _cols_operands(COUNTS, 128, 512, device, seed=20)
-    wide = GemmTiles(block_m=64, block_n=256, num_warps=4, num_stages=2, tma=True)
-    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=wide),
-                       K.grouped_wgrad(grad_cols, x_cols, torch.float32))
-
-
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-@pytest.mark.parametrize("per_sm", [1, 3, 64])
-def test_persistent_wgrad_gives_the_same_bits(device, tma, per_sm, monkeypatch):
-    """Persistent programs (several tiles each, one K loop over them; on the interpreter per_sm
-    programs in all, on a GPU per SM; 64 is more than there are tiles) give the bits of one program
-    per tile: written as BF16 (empty experts zero, into an output allocated full of NaN here), and
-    added into fp32 buffers."""
-    grad_cols, x_cols = _cols_operands(COUNTS, 256, 384, device, seed=21)
-    tiles = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=tma, persistent_programs_per_sm=per_sm)
-    expected = K.grouped_wgrad(grad_cols, x_cols)
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
-    written = K.grouped_wgrad(grad_cols, x_cols, tiles=tiles)
-    monkeypatch.undo()
-    assert torch.equal(written.view(torch.int16), expected.view(torch.int16))
-    assert not written[[e for e, count in enumerate(COUNTS) if not count]].any()
-    buffers = [torch.full((256, 384), 0.5, device=device) for _ in COUNTS]
-    assert K.grouped_wgrad(grad_cols, x_cols, accumulate_into=buffers, tiles=tiles) is None
-    summed = K.grouped_wgrad(grad_cols, x_cols, torch.float32)
-    for e, buffer in enumerate(buffers):
-        assert torch.equal(buffer, summed[e] + 0.5), e
-
-
 def test_grouped_wgrad_without_tokens(device):
     """Operands of no token columns at all (one expert without tokens): zero gradients."""
     offsets = torch.zeros(2, dtype=torch.int64, device=device)
@@ -245,12 +195,6 @@ def test_refusals(device):
     grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=11)
     with pytest.raises(TypeError, match="colwise"):
         K.grouped_wgrad(rows, x_cols)
-    with pytest.raises(ValueError, match="persistent programs are for the weight gradient only"):
-        K.grouped_gemm_by_weight(rows, weights, _offsets([4, 4], device),
-                                 tiles=dataclasses.replace(DEFAULT_ROWS_TILES, persistent_programs_per_sm=2))
-    with pytest.raises(ValueError, match="persistent programs take a count >= 1 per SM and one row half"):
-        K.grouped_wgrad(grad_cols, x_cols, tiles=GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=2,
-                                                           row_halves=2, persistent_programs_per_sm=2))
     sliced = FP8BlockTensor(x_cols.data[:, :128], x_cols.block_scales[:1], x_cols.layout, x_cols.segment_offsets)
     for tma in (False, True):  # both read a matrix whose row stride is its width
         tiles = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2, tma=tma)
