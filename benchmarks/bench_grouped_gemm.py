@@ -54,7 +54,12 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 # 2e84cd6 (docs/kernels.md).
 ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
     dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
-WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)])
+WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + [
+    # One program per output tile and token range, looping through the range's experts (GemmTiles.
+    # token_ranges): 64 x 128 (82 KB with BF16 output: two programs per SM) or 128 x 128 as two
+    # halves (107 KB: two), in one range or four.
+    dataclasses.replace(DEFAULT_WGRAD_TILES, token_ranges=ranges) for ranges in (1, 4)] + [
+    dataclasses.replace(DEFAULT_WGRAD_TILES, block_m=128, row_halves=2, token_ranges=ranges) for ranges in (1, 4)]
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -204,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, nargs="+", default=[32, 8], help="local experts")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-sweep", action="store_true", help="only the default tile configs")
+    p.add_argument("--gemms", nargs="+", choices=[*ROWS_GEMMS, *WGRAD_GEMMS], default=[*ROWS_GEMMS, *WGRAD_GEMMS],
+                   help="the GEMMs to measure (default: all six)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_grouped_gemm needs a CUDA GPU (SM90)")
@@ -225,9 +232,11 @@ def main(argv=None) -> int:
         counts = ragged_counts(ROUTED_ROWS, experts, seed=experts)
         print(f"E={experts}: counts {counts.tolist()}")
         for name, (n, k) in ROWS_GEMMS.items():
-            rows_gemm_case(name, counts, n, k, rows_sweep, args.iters, record)
+            if name in args.gemms:
+                rows_gemm_case(name, counts, n, k, rows_sweep, args.iters, record)
         for name, (n, k) in WGRAD_GEMMS.items():
-            wgrad_case(name, counts, n, k, wgrad_sweep, args.iters, record)
+            if name in args.gemms:
+                wgrad_case(name, counts, n, k, wgrad_sweep, args.iters, record)
     print("| GEMM | local experts | ours TFLOP/s | dense scaled_mm | grouped_mm BF16 | per-expert scaled_mm | tiles |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(table))
