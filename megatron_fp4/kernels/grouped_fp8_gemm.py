@@ -298,8 +298,11 @@ def _grouped_wgrad_token_ranges_kernel(
     and token range (GemmTiles.token_ranges): a K loop through the range's experts one after the
     other, their tile written as each one's tokens end."""
     SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
-    token_range = tl.program_id(0) % TOKEN_RANGES
-    tile_m, tile_n = swizzled(tl.program_id(0) // TOKEN_RANGES, N // BLOCK_M, K // BLOCK_N, GROUP_M)
+    # Range-major: the programs running at once share a range, and their tiles are grouped as in a
+    # dense GEMM, so that the operand tiles of a step are read while still in L2.
+    output_tiles: tl.constexpr = (N // BLOCK_M) * (K // BLOCK_N)
+    token_range = tl.program_id(0) // output_tiles
+    tile_m, tile_n = swizzled(tl.program_id(0) % output_tiles, N // BLOCK_M, K // BLOCK_N, GROUP_M)
     rows = tile_m * BLOCK_M + tl.arange(0, SUB_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Steps of BLOCK_K token columns: each expert's segment starts at a multiple of BLOCK_K.
