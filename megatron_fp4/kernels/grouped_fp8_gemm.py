@@ -19,6 +19,7 @@ Operand tiles are loaded through pointers, or with `GemmTiles.tma` by the Tensor
 Accelerator from tensor descriptors built on the host; the sums are the same.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -532,8 +533,9 @@ def _check_offsets(name: str, offsets: torch.Tensor, num_experts: int, device) -
 
 def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES,
                wgrad_tiles: GemmTiles = DEFAULT_WGRAD_TILES) -> List[KernelSpec]:
-    """Both kernels at their tiles (the defaults unless given) for fc1's shape at the variant's
-    hidden size (fprop: N = 4096, K = hidden; wgrad: [4096, hidden]), as sm90_build compiles them."""
+    """The kernels at their tiles (the defaults unless given) for fc1's shape at the variant's hidden
+    size (fprop: N = 4096, K = hidden; wgrad: [4096, hidden]), as sm90_build compiles them: the rows
+    kernel, and both weight-gradient kernels."""
     n, k = 2 * 2048, variant.hidden
     return [
         KernelSpec("grouped_gemm_by_weight", _grouped_gemm_rows_kernel,
@@ -547,6 +549,8 @@ def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES
                     "OUT_BF16": True},
                    rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n, rows_tiles.num_stages),
         _wgrad_spec(n, k, wgrad_tiles),
+        # The token-range kernel too, whether or not the tiles select it (a sweep candidate).
+        _wgrad_spec(n, k, dataclasses.replace(wgrad_tiles, token_ranges=wgrad_tiles.token_ranges or 1)),
     ]
 
 
@@ -563,7 +567,8 @@ def _wgrad_spec(n: int, k: int, tiles: GemmTiles) -> KernelSpec:
         kernel = _grouped_wgrad_token_ranges_kernel
         signature["num_experts"] = "i32"
         constexprs.update(EXPERTS_POW2=EXPERTS_POW2, TOKEN_RANGES=tiles.token_ranges)
-    return KernelSpec("grouped_wgrad", kernel, signature, constexprs, tiles.num_warps, tiles.block_m * tiles.block_n,
+    name = "grouped_wgrad_token_ranges" if tiles.token_ranges else "grouped_wgrad"
+    return KernelSpec(name, kernel, signature, constexprs, tiles.num_warps, tiles.block_m * tiles.block_n,
                       tiles.num_stages)
 
 
