@@ -170,8 +170,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, default=Path("benchmarks/results"),
                    help="folder of convergence.jsonl (and convergence_curves.jsonl, for the training deviations)")
-    p.add_argument("--configs", nargs="+", default=["fp8.yaml", "fp4.yaml"], help="settings: config file names, each optionally followed by its runs' flags "
-                                                                      "(one quoted argument)")
+    p.add_argument("--configs", nargs="+", default=["fp8.yaml", "fp4.yaml"],
+                   help="settings: config file names, each optionally followed by its runs' flags as the runs "
+                        "spelled them (one quoted argument: 'h512/fp4.yaml --moe-fp4-storage experts')")
     p.add_argument("--iters", type=int, default=2000)
     args = p.parse_args(argv)
     path = args.results / "convergence.jsonl"

@@ -297,7 +297,8 @@ def _grouped_wgrad_token_ranges_kernel(
 ):
     """_grouped_wgrad_kernel's sums (the same order: the same bits) from one program per output tile
     and token range (GemmTiles.token_ranges): a K loop through the range's experts one after the
-    other, their tile written as each one's tokens end."""
+    other, their tile written as each one's tokens end. Adding into fp32 buffers, an expert without
+    tokens is left untouched (the other kernel adds +0.0, which turns a -0.0 into +0.0)."""
     SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
     # Range-major: the programs running at once share a range, and their tiles are grouped as in a
     # dense GEMM, so that the operand tiles of a step are read while still in L2.

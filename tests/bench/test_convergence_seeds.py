@@ -84,6 +84,8 @@ def test_command_prints_the_table(tmp_path, capsys):
     (tmp_path / "convergence_curves.jsonl").write_text("".join(json.dumps(point) + "\n" for point in curves))
     assert cs.main(["--results", str(tmp_path), "--configs", "fp4.yaml"]) == 0
     assert "| fp4.yaml | 1: +1.00% (bbb, 2), 2: - (aaa, 1) | +1.00% | - | - |" in capsys.readouterr().out
+    assert cs.main(["--results", str(tmp_path), "--configs", "fp4.yaml --moe-fp4-linears-grad bf16"]) == 0
+    assert "| fp4.yaml --moe-fp4-linears-grad bf16 | 5: +10.00% (ccc, 1) |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="does not exist"):
         cs.main(["--results", str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="no finished"):

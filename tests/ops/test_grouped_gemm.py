@@ -176,9 +176,12 @@ def test_tma_and_pointer_loads_give_the_same_bits(device, halves):
     GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True, token_ranges=1),
     GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, token_ranges=3),
     GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=3, row_halves=2, tma=True, token_ranges=2),
-    GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True, token_ranges=64)],
-    ids=["one-range-tma", "three-ranges", "two-halves-two-ranges", "more-ranges-than-experts"])
-@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 300, 0, 1, 0]], ids=["counts", "empty-first-and-last"])
+    GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True, token_ranges=64),
+    GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=3, row_halves=2, token_ranges=2)],
+    ids=["one-range-tma", "three-ranges", "two-halves-two-ranges", "more-ranges-than-experts",
+         "two-halves-pointers"])
+@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 300, 0, 1, 0], [5, 0, 0, 129, 1, 1, 0, 64]],
+                         ids=["counts", "empty-first-and-last", "eight-experts"])
 def test_token_range_programs_give_the_same_bits(device, tiles, counts, monkeypatch):
     """Programs that run through several experts' tokens in one loop (GemmTiles.token_ranges) give
     the bits of one program per expert and tile: written as BF16 (empty experts zero, into an output
@@ -191,9 +194,10 @@ def test_token_range_programs_give_the_same_bits(device, tiles, counts, monkeypa
     monkeypatch.undo()
     assert torch.equal(written.view(torch.int16), expected.view(torch.int16))
     assert not written[[e for e, count in enumerate(counts) if not count]].any()
+    summed = K.grouped_wgrad(grad_cols, x_cols, torch.float32)
+    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=tiles), summed)
     buffers = [torch.full((256, 384), 0.5, device=device) for _ in counts]
     assert K.grouped_wgrad(grad_cols, x_cols, accumulate_into=buffers, tiles=tiles) is None
-    summed = K.grouped_wgrad(grad_cols, x_cols, torch.float32)
     for e, buffer in enumerate(buffers):
         assert torch.equal(buffer, summed[e] + 0.5), e
 
