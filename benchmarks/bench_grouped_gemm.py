@@ -54,14 +54,7 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 # 2e84cd6 (docs/kernels.md).
 ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
     dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
-WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + [
-    # One program per output tile and token range, looping through the range's experts (GemmTiles.
-    # token_ranges): 64 x 128 (82 KB with BF16 output: two programs per SM) or 128 x 128 as two
-    # halves (107 KB: two), in one range or four; and both at two stages (57 / 74 KB: three per SM).
-    dataclasses.replace(DEFAULT_WGRAD_TILES, token_ranges=ranges) for ranges in (1, 4)] + [
-    dataclasses.replace(DEFAULT_WGRAD_TILES, block_m=128, row_halves=2, token_ranges=ranges) for ranges in (1, 4)] + [
-    dataclasses.replace(DEFAULT_WGRAD_TILES, block_m=block_m, row_halves=block_m // 64, num_stages=2, token_ranges=1)
-    for block_m in (64, 128)]
+WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)])
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

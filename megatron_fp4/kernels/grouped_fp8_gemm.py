@@ -19,7 +19,6 @@ Operand tiles are loaded through pointers, or with `GemmTiles.tma` by the Tensor
 Accelerator from tensor descriptors built on the host; the sums are the same.
 """
 
-import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -55,13 +54,6 @@ class GemmTiles:
     # of per-thread pointer loads: the copies cost no registers or instructions of the program's
     # threads, and rows past the end of A read as zeros.
     tma: bool = False
-    # wgrad only: 0, one program per expert and output tile (a K loop over that expert's ~1000
-    # tokens at 32 experts, each paying its pipeline's fill and its stores); n >= 1, one program per
-    # output tile and range of tokens, n ranges of about equal length, each made of the whole experts
-    # whose tokens start in it: the program's K loop runs through those experts' tokens in order and
-    # writes an expert's tile when its tokens end. Its loads depend on the step alone, so the compiler
-    # pipelines them across experts. The same sums in the same order, so the same bits.
-    token_ranges: int = 0
     # fprop / dgrad only, CUDA only: the Gluon kernel of grouped_fp8_gemm_ws (a producer warp
     # loading through TMA, two consumer warpgroups on the two 64-row halves), the same bits. Its
     # tiles are fixed (WARP_SPECIALIZED_ROWS below) but for num_stages and group_m.
@@ -247,8 +239,11 @@ def _grouped_wgrad_kernel(
         k0 = first_col + k_block * BLOCK_K
         next_sa_top, next_sa_bottom, next_sb = _step_scales(a_scale_top, a_scale_bottom, b_scale,
                                                             tl.minimum(k_block + 1, num_k - 1), N, K, ROW_HALVES)
-        acc_top, acc_bottom = _wgrad_products(a, a_top, a_bottom, b, x_tile, tile_m * BLOCK_M, tile_n * BLOCK_N, k0,
-                                              acc_top, acc_bottom, sa_top, sa_bottom, sb, SUB_M, ROW_HALVES, TMA)
+        x = _tile(b, x_tile, tile_n * BLOCK_N, k0, True, TMA)
+        acc_top = _scaled_add(acc_top, tl.dot(_tile(a, a_top, tile_m * BLOCK_M, k0, False, TMA), x), sa_top, sb, True)
+        if ROW_HALVES == 2:
+            acc_bottom = _scaled_add(acc_bottom, tl.dot(_tile(a, a_bottom, tile_m * BLOCK_M + SUB_M, k0, False, TMA),
+                                                        x), sa_bottom, sb, True)
         if not TMA:
             a_top += BLOCK_K
             a_bottom += BLOCK_K
@@ -257,118 +252,6 @@ def _grouped_wgrad_kernel(
     _store_wgrad(c_ptr, expert, rows, cols, acc_top, N, K, ACCUMULATE, OUT_BF16)
     if ROW_HALVES == 2:
         _store_wgrad(c_ptr, expert, rows + SUB_M, cols, acc_bottom, N, K, ACCUMULATE, OUT_BF16)
-
-
-@triton.jit
-def _wgrad_products(a, a_top, a_bottom, b, x_tile, first_row, first_col, k0, acc_top, acc_bottom, sa_top, sa_bottom,
-                    sb, SUB_M: tl.constexpr, ROW_HALVES: tl.constexpr, TMA: tl.constexpr):
-    """One K step of the weight-gradient kernels: its scaled products added to the row halves' sums
-    (the bottom one only with two halves); operands as _grouped_wgrad_kernel prepares them."""
-    x = _tile(b, x_tile, first_col, k0, True, TMA)
-    acc_top = _scaled_add(acc_top, tl.dot(_tile(a, a_top, first_row, k0, False, TMA), x), sa_top, sb, True)
-    if ROW_HALVES == 2:
-        acc_bottom = _scaled_add(acc_bottom, tl.dot(_tile(a, a_bottom, first_row + SUB_M, k0, False, TMA), x), sa_bottom,
-                                 sb, True)
-    return acc_top, acc_bottom
-
-
-@triton.jit
-def _grouped_wgrad_token_ranges_kernel(
-    a,  # as _grouped_wgrad_kernel's
-    a_scales_ptr,
-    b,
-    b_scales_ptr,
-    offsets_ptr,
-    c_ptr,
-    row_stride,
-    num_experts,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr,
-    TOKEN_RANGES: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    ROW_HALVES: tl.constexpr,
-    TMA: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-):
-    """_grouped_wgrad_kernel's sums (the same order: the same bits) from one program per output tile
-    and token range (GemmTiles.token_ranges): a K loop through the range's experts one after the
-    other, their tile written as each one's tokens end. Adding into fp32 buffers, an expert without
-    tokens is left untouched (the other kernel adds +0.0, which turns a -0.0 into +0.0)."""
-    SUB_M: tl.constexpr = BLOCK_M // ROW_HALVES
-    # Range-major: the programs running at once share a range, and their tiles are grouped as in a
-    # dense GEMM, so that the operand tiles of a step are read while still in L2.
-    output_tiles: tl.constexpr = (N // BLOCK_M) * (K // BLOCK_N)
-    token_range = tl.program_id(0) // output_tiles
-    tile_m, tile_n = swizzled(tl.program_id(0) % output_tiles, N // BLOCK_M, K // BLOCK_N, GROUP_M)
-    rows = tile_m * BLOCK_M + tl.arange(0, SUB_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Steps of BLOCK_K token columns: each expert's segment starts at a multiple of BLOCK_K.
-    expert_ids = tl.arange(0, EXPERTS_POW2)
-    in_range = expert_ids < num_experts
-    start_steps = tl.load(offsets_ptr + expert_ids, mask=in_range, other=0) // BLOCK_K
-    end_steps = tl.load(offsets_ptr + expert_ids + 1, mask=in_range, other=0) // BLOCK_K
-    with_tokens = in_range & (end_steps > start_steps)
-    total_steps = tl.load(offsets_ptr + num_experts) // BLOCK_K
-    # This range's experts: those with tokens whose first step lies in it.
-    first_step = tl.min(tl.where(with_tokens & (start_steps >= token_range * total_steps // TOKEN_RANGES),
-                                 start_steps, total_steps), axis=0)
-    last_step = tl.min(tl.where(with_tokens & (start_steps >= (token_range + 1) * total_steps // TOKEN_RANGES),
-                                start_steps, total_steps), axis=0)
-    if not ACCUMULATE and token_range == 0:  # experts without tokens: zero gradients
-        for empty in range(num_experts):
-            if tl.load(offsets_ptr + empty) == tl.load(offsets_ptr + empty + 1):
-                zeros = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-                empty_id = empty + tl.zeros((), dtype=tl.int32)  # a tensor under the interpreter too
-                for half in tl.static_range(ROW_HALVES):
-                    _store_wgrad(c_ptr, empty_id, rows + half * SUB_M, cols, zeros, N, K, False, OUT_BF16)
-    expert, expert_end = _expert_from(first_step, expert_ids, end_steps, in_range)
-    a_top = None
-    a_bottom = None
-    x_tile = None
-    if not TMA:
-        tokens = first_step * BLOCK_K + tl.arange(0, BLOCK_K)
-        a_top = a + rows[:, None].to(tl.int64) * row_stride + tokens[None, :]
-        a_bottom = a_top + SUB_M * row_stride
-        x_tile = b + cols[None, :].to(tl.int64) * row_stride + tokens[:, None]
-    a_scale_top = a_scales_ptr + rows
-    a_scale_bottom = a_scale_top + SUB_M
-    b_scale = b_scales_ptr + cols
-    acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-    acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-    # The scales a step ahead, as in the other kernels.
-    sa_top, sa_bottom, sb = _step_scales(a_scale_top, a_scale_bottom, b_scale, first_step, N, K, ROW_HALVES,
-                                         first_step < last_step)
-    for step in range(first_step, last_step):
-        k0 = step * BLOCK_K
-        next_sa_top, next_sa_bottom, next_sb = _step_scales(a_scale_top, a_scale_bottom, b_scale,
-                                                            tl.minimum(step + 1, last_step - 1), N, K, ROW_HALVES)
-        acc_top, acc_bottom = _wgrad_products(a, a_top, a_bottom, b, x_tile, tile_m * BLOCK_M, tile_n * BLOCK_N, k0,
-                                              acc_top, acc_bottom, sa_top, sa_bottom, sb, SUB_M, ROW_HALVES, TMA)
-        if not TMA:
-            a_top += BLOCK_K
-            a_bottom += BLOCK_K
-            x_tile += BLOCK_K
-        sa_top, sa_bottom, sb = next_sa_top, next_sa_bottom, next_sb
-        if step + 1 == expert_end:  # the expert's last tokens: its tile is complete
-            _store_wgrad(c_ptr, expert, rows, cols, acc_top, N, K, ACCUMULATE, OUT_BF16)
-            if ROW_HALVES == 2:
-                _store_wgrad(c_ptr, expert, rows + SUB_M, cols, acc_bottom, N, K, ACCUMULATE, OUT_BF16)
-            acc_top = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-            acc_bottom = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-            expert, expert_end = _expert_from(step + 1, expert_ids, end_steps, in_range)
-
-
-@triton.jit
-def _expert_from(step, expert_ids, end_steps, in_range):
-    """(the expert whose tokens hold step `step`, the step they end at): the first expert ending
-    after it, so experts without tokens (ending where they start) are passed over."""
-    expert = tl.sum((in_range & (end_steps <= step)).to(tl.int32), axis=0)
-    return expert, tl.sum(tl.where(expert_ids == expert, end_steps, 0), axis=0)
 
 
 @triton.jit
@@ -391,8 +274,6 @@ def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
     if tiles.warp_specialized and any(getattr(tiles, key) != value for key, value in fixed.items()):
         raise ValueError(f"{name}: the warp-specialized kernel takes {fixed} (only num_stages and group_m vary), "
                          f"got {tiles}")
-    if tiles.token_ranges:
-        raise ValueError(f"{name}: token_ranges is for the weight gradient only, got {tiles}")
     if n % FP8_BLOCK or k % FP8_BLOCK:
         raise ValueError(f"{name}: N {n} and K {k} must be multiples of {FP8_BLOCK}")
 
@@ -451,8 +332,6 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     name = "grouped_wgrad"
     if tiles.warp_specialized:
         raise ValueError(f"{name}: the warp-specialized kernel computes forward and data gradients only, got {tiles}")
-    if tiles.token_ranges < 0:
-        raise ValueError(f"{name}: token_ranges must be 0 (one program per expert and tile) or more, got {tiles}")
     for operand in (grad_cols, input_cols):
         if not isinstance(operand, FP8BlockTensor) or operand.layout != COLWISE:
             raise TypeError(f"{name}: expected colwise FP8BlockTensors")
@@ -476,19 +355,15 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         out, target = None, address_table(name, accumulate_into)
     if capacity == 0:  # no token at all: zero gradients (nothing to add); a TMA descriptor needs a width
         return None if out is None else out.zero_()
-    operands = (_operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
-                grad_cols.block_scales, _operand(name, input_cols.data, (tiles.block_n, FP8_BLOCK), tiles.tma),
-                input_cols.block_scales, offsets, target, capacity)
-    shared = dict(N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
-                  ROW_HALVES=tiles.row_halves, TMA=tiles.tma, ACCUMULATE=accumulate_into is not None,
-                  OUT_BF16=out_dtype == torch.bfloat16, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    output_tiles = (n // tiles.block_m) * (k // tiles.block_n)
-    if tiles.token_ranges:
-        _grouped_wgrad_token_ranges_kernel[(output_tiles * tiles.token_ranges,)](
-            *operands, num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), TOKEN_RANGES=tiles.token_ranges,
-            **shared)
-    else:
-        _grouped_wgrad_kernel[(num_experts * output_tiles,)](*operands, **shared)
+    _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
+        _operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
+        grad_cols.block_scales, _operand(name, input_cols.data, (tiles.block_n, FP8_BLOCK), tiles.tma),
+        input_cols.block_scales, offsets, target, capacity,
+        N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK, GROUP_M=tiles.group_m,
+        ROW_HALVES=tiles.row_halves, TMA=tiles.tma, ACCUMULATE=accumulate_into is not None,
+        OUT_BF16=out_dtype == torch.bfloat16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
     return out
 
 
@@ -534,9 +409,8 @@ def _check_offsets(name: str, offsets: torch.Tensor, num_experts: int, device) -
 
 def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES,
                wgrad_tiles: GemmTiles = DEFAULT_WGRAD_TILES) -> List[KernelSpec]:
-    """The kernels at their tiles (the defaults unless given) for fc1's shape at the variant's hidden
-    size (fprop: N = 4096, K = hidden; wgrad: [4096, hidden]), as sm90_build compiles them: the rows
-    kernel, and both weight-gradient kernels."""
+    """Both kernels at their tiles (the defaults unless given) for fc1's shape at the variant's
+    hidden size (fprop: N = 4096, K = hidden; wgrad: [4096, hidden]), as sm90_build compiles them."""
     n, k = 2 * 2048, variant.hidden
     return [
         KernelSpec("grouped_gemm_by_weight", _grouped_gemm_rows_kernel,
@@ -549,28 +423,15 @@ def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES
                     "GROUP_M": rows_tiles.group_m, "ROW_HALVES": rows_tiles.row_halves, "TMA": rows_tiles.tma,
                     "OUT_BF16": True},
                    rows_tiles.num_warps, rows_tiles.block_m * rows_tiles.block_n, rows_tiles.num_stages),
-        _wgrad_spec(n, k, wgrad_tiles),
-        # The token-range kernel too, whether or not the tiles select it (a sweep candidate).
-        _wgrad_spec(n, k, dataclasses.replace(wgrad_tiles, token_ranges=wgrad_tiles.token_ranges or 1)),
+        KernelSpec("grouped_wgrad", _grouped_wgrad_kernel,
+                   {"a": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_m // wgrad_tiles.row_halves),
+                    "a_scales_ptr": "*fp32", "b": _fp8_operand_type(wgrad_tiles, wgrad_tiles.block_n),
+                    "b_scales_ptr": "*fp32", "offsets_ptr": "*i64", "c_ptr": "*i64", "row_stride": "i32"},
+                   {"N": n, "K": k, "BLOCK_M": wgrad_tiles.block_m, "BLOCK_N": wgrad_tiles.block_n,
+                    "BLOCK_K": FP8_BLOCK, "GROUP_M": wgrad_tiles.group_m, "ROW_HALVES": wgrad_tiles.row_halves,
+                    "TMA": wgrad_tiles.tma, "ACCUMULATE": True, "OUT_BF16": False},
+                   wgrad_tiles.num_warps, wgrad_tiles.block_m * wgrad_tiles.block_n, wgrad_tiles.num_stages),
     ]
-
-
-def _wgrad_spec(n: int, k: int, tiles: GemmTiles) -> KernelSpec:
-    """The weight-gradient kernel that `tiles` selects, adding into fp32 buffers."""
-    signature = {"a": _fp8_operand_type(tiles, tiles.block_m // tiles.row_halves), "a_scales_ptr": "*fp32",
-                 "b": _fp8_operand_type(tiles, tiles.block_n), "b_scales_ptr": "*fp32", "offsets_ptr": "*i64",
-                 "c_ptr": "*i64", "row_stride": "i32"}
-    constexprs = {"N": n, "K": k, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": FP8_BLOCK,
-                  "GROUP_M": tiles.group_m, "ROW_HALVES": tiles.row_halves, "TMA": tiles.tma, "ACCUMULATE": True,
-                  "OUT_BF16": False}
-    kernel = _grouped_wgrad_kernel
-    if tiles.token_ranges:
-        kernel = _grouped_wgrad_token_ranges_kernel
-        signature["num_experts"] = "i32"
-        constexprs.update(EXPERTS_POW2=EXPERTS_POW2, TOKEN_RANGES=tiles.token_ranges)
-    name = "grouped_wgrad_token_ranges" if tiles.token_ranges else "grouped_wgrad"
-    return KernelSpec(name, kernel, signature, constexprs, tiles.num_warps, tiles.block_m * tiles.block_n,
-                      tiles.num_stages)
 
 
 def _fp8_operand_type(tiles: GemmTiles, tile_rows: int) -> str:

@@ -172,36 +172,6 @@ def test_tma_and_pointer_loads_give_the_same_bits(device, halves):
                        K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=pointer))
 
 
-@pytest.mark.parametrize("tiles", [
-    GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True, token_ranges=1),
-    GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, token_ranges=3),
-    GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=3, row_halves=2, tma=True, token_ranges=2),
-    GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True, token_ranges=64),
-    GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=3, row_halves=2, token_ranges=2)],
-    ids=["one-range-tma", "three-ranges", "two-halves-two-ranges", "more-ranges-than-experts",
-         "two-halves-pointers"])
-@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 300, 0, 1, 0], [5, 0, 0, 129, 1, 1, 0, 64]],
-                         ids=["counts", "empty-first-and-last", "eight-experts"])
-def test_token_range_programs_give_the_same_bits(device, tiles, counts, monkeypatch):
-    """Programs that run through several experts' tokens in one loop (GemmTiles.token_ranges) give
-    the bits of one program per expert and tile: written as BF16 (empty experts zero, into an output
-    allocated full of NaN here), and added into fp32 buffers."""
-    grad_cols, x_cols = _cols_operands(counts, 256, 384, device, seed=21)
-    expected = K.grouped_wgrad(grad_cols, x_cols)
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
-    written = K.grouped_wgrad(grad_cols, x_cols, tiles=tiles)
-    monkeypatch.undo()
-    assert torch.equal(written.view(torch.int16), expected.view(torch.int16))
-    assert not written[[e for e, count in enumerate(counts) if not count]].any()
-    summed = K.grouped_wgrad(grad_cols, x_cols, torch.float32)
-    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=tiles), summed)
-    buffers = [torch.full((256, 384), 0.5, device=device) for _ in counts]
-    assert K.grouped_wgrad(grad_cols, x_cols, accumulate_into=buffers, tiles=tiles) is None
-    for e, buffer in enumerate(buffers):
-        assert torch.equal(buffer, summed[e] + 0.5), e
-
-
 def test_grouped_wgrad_without_tokens(device):
     """Operands of no token columns at all (one expert without tokens): zero gradients."""
     offsets = torch.zeros(2, dtype=torch.int64, device=device)
@@ -225,12 +195,6 @@ def test_refusals(device):
     grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=11)
     with pytest.raises(TypeError, match="colwise"):
         K.grouped_wgrad(rows, x_cols)
-    with pytest.raises(ValueError, match="token_ranges is for the weight gradient only"):
-        K.grouped_gemm_by_weight(rows, weights, _offsets([4, 4], device),
-                                 tiles=dataclasses.replace(DEFAULT_ROWS_TILES, token_ranges=2))
-    with pytest.raises(ValueError, match="token_ranges must be 0"):
-        K.grouped_wgrad(grad_cols, x_cols, tiles=GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2,
-                                                           token_ranges=-1))
     sliced = FP8BlockTensor(x_cols.data[:, :128], x_cols.block_scales[:1], x_cols.layout, x_cols.segment_offsets)
     for tma in (False, True):  # both read a matrix whose row stride is its width
         tiles = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2, tma=tma)
