@@ -31,7 +31,8 @@ from triton.runtime.errors import OutOfResources
 from megatron_fp4 import kernels as K
 from megatron_fp4.formats import FP8_BLOCK
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS
+from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_WGRAD, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
+                                                   WARP_SPECIALIZED_ROWS)
 from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
 
@@ -54,7 +55,9 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 # 2e84cd6 (docs/kernels.md).
 ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
     dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
-WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)])
+# The CUDA C++ kernel (grouped_wgrad_sm90) at three stage counts.
+WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + [
+    dataclasses.replace(CUDA_WGRAD, num_stages=stages) for stages in (4, 5, 6)]
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

@@ -19,6 +19,7 @@ Operand tiles are loaded through pointers, or with `GemmTiles.tma` by the Tensor
 Accelerator from tensor descriptors built on the host; the sums are the same.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -34,7 +35,7 @@ from ._bits import store_rounded
 from ._checks import check_kernel_device
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 from ._tile_order import swizzled, tile_of_expert
-from . import grouped_fp8_gemm_ws
+from . import grouped_fp8_gemm_ws, grouped_wgrad_sm90
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class GemmTiles:
     # loading through TMA, two consumer warpgroups on the two 64-row halves), the same bits. Its
     # tiles are fixed (WARP_SPECIALIZED_ROWS below) but for num_stages and group_m.
     warp_specialized: bool = False
+    # wgrad only, CUDA only: the CUDA C++ kernel of grouped_wgrad_sm90 (persistent, a producer
+    # warpgroup and two consumer warpgroups), the same sums. Its tiles are fixed (CUDA_WGRAD below)
+    # but for num_stages.
+    cuda_sm90: bool = False
 
 
 # The fastest of benchmarks/bench_grouped_gemm.py's sweeps on H200 at DeepSeek-V3's expert shapes,
@@ -76,6 +81,8 @@ DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages
 # Five stages of 32 KB: one program per SM (its three partitions share it).
 WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=5, row_halves=2, tma=True,
                                   warp_specialized=True)
+# 128 x 128 tiles, three warpgroups, six stages of 33 KB: one CTA per SM.
+CUDA_WGRAD = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=6, tma=True, cuda_sm90=True)
 
 
 @triton.jit
@@ -274,6 +281,8 @@ def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
     if tiles.warp_specialized and any(getattr(tiles, key) != value for key, value in fixed.items()):
         raise ValueError(f"{name}: the warp-specialized kernel takes {fixed} (only num_stages and group_m vary), "
                          f"got {tiles}")
+    if tiles.cuda_sm90 and tiles != dataclasses.replace(CUDA_WGRAD, num_stages=tiles.num_stages):
+        raise ValueError(f"{name}: the CUDA kernel takes {CUDA_WGRAD} but for num_stages, got {tiles}")
     if n % FP8_BLOCK or k % FP8_BLOCK:
         raise ValueError(f"{name}: N {n} and K {k} must be multiples of {FP8_BLOCK}")
 
@@ -294,6 +303,8 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
     _check_offsets(name, row_offsets, num_experts, rows.data.device)
     _check_tiles(name, tiles, n, k)
+    if tiles.cuda_sm90:
+        raise ValueError(f"{name}: the CUDA kernel computes weight gradients only, got {tiles}")
     if tiles.warp_specialized and not rows.data.is_cuda:
         raise RuntimeError(f"{name}: the warp-specialized kernel is Gluon, which Triton's interpreter cannot run; "
                            "pass tiles without warp_specialized on the CPU")
@@ -336,6 +347,11 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         if not isinstance(operand, FP8BlockTensor) or operand.layout != COLWISE:
             raise TypeError(f"{name}: expected colwise FP8BlockTensors")
     check_kernel_device(name, grad_cols.data)
+    if tiles.cuda_sm90:
+        _check_tiles(name, tiles, grad_cols.shape[0], input_cols.shape[0])
+        grouped_wgrad_sm90.check_stages(name, tiles.num_stages)
+        if not grad_cols.data.is_cuda:
+            raise RuntimeError(f"{name}: the CUDA kernel needs a GPU; pass tiles without cuda_sm90 on the CPU")
     n, capacity = grad_cols.shape
     k, input_capacity = input_cols.shape
     # Both come from the same segments (the experts' counts); comparing their offsets here would
@@ -355,6 +371,9 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         out, target = None, address_table(name, accumulate_into)
     if capacity == 0:  # no token at all: zero gradients (nothing to add); a TMA descriptor needs a width
         return None if out is None else out.zero_()
+    if tiles.cuda_sm90:
+        _launch_cuda_wgrad(name, grad_cols, input_cols, out, target, tiles)
+        return out
     _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
         _operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
         grad_cols.block_scales, _operand(name, input_cols.data, (tiles.block_n, FP8_BLOCK), tiles.tma),
@@ -365,6 +384,20 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
+
+
+def _launch_cuda_wgrad(name: str, grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out: Optional[torch.Tensor],
+                       target: torch.Tensor, tiles: GemmTiles) -> None:
+    if out is None:
+        mode = grouped_wgrad_sm90.ACCUMULATE_FP32
+    elif out.dtype in (torch.bfloat16, torch.float32):
+        mode = grouped_wgrad_sm90.STORE_BF16 if out.dtype == torch.bfloat16 else grouped_wgrad_sm90.STORE_FP32
+    else:
+        raise ValueError(f"{name}: the CUDA kernel writes BF16 or fp32, got {out.dtype}")
+    for operand in (grad_cols, input_cols):
+        _check_operand(name, operand.data, True)
+    grouped_wgrad_sm90.launch(grad_cols.data, grad_cols.block_scales, input_cols.data, input_cols.block_scales,
+                              grad_cols.segment_offsets, target, mode, tiles.num_stages)
 
 
 def _operand(name: str, data: torch.Tensor, block, tma: bool):

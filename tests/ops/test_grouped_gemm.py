@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS
+from megatron_fp4.kernels.grouped_fp8_gemm import CUDA_WGRAD, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS
 from megatron_fp4.tensors import COLWISE, FP8BlockTensor
 
 COUNTS = [130, 0, 3, 1, 70, 0, 256]  # > a tile, empty, not a multiple of 4, one token, ..., two full tiles
@@ -128,7 +128,8 @@ def _oracle_wgrad(grad_cols, x_cols):
     return torch.stack([p for p, _ in pairs]), torch.stack([m for _, m in pairs])
 
 
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES], ids=["default", "two-row-halves", "tma"])
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES, pytest.param(CUDA_WGRAD, marks=pytest.mark.gpu)],
+                         ids=["default", "two-row-halves", "tma", "cuda_sm90"])
 def test_grouped_wgrad_matches_the_float64_oracle(device, tiles):
     n, k = 256, 384
     grad_cols, x_cols = _cols_operands(COUNTS, n, k, device, seed=6)
@@ -271,3 +272,47 @@ def test_warp_specialized_kernel_gives_the_triton_kernels_bits(experts, k, n, ou
         bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
         assert torch.equal(ours.view(bits), expected.view(bits)), f"{stages} stages"
     assert torch.isnan(expected[5]).all() and not torch.isnan(expected[7:]).any()
+
+
+def test_cuda_wgrad_tiles_are_refused_when_changed_off_the_gpu_and_for_other_gemms(device):
+    """The CUDA kernel's tiles are fixed but for its stages; it needs a GPU and computes weight
+    gradients only."""
+    grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=24)
+    for changed in (dict(block_m=64), dict(num_warps=4), dict(row_halves=2), dict(tma=False)):
+        with pytest.raises(ValueError, match="CUDA kernel takes"):
+            K.grouped_wgrad(grad_cols, x_cols, tiles=dataclasses.replace(CUDA_WGRAD, **changed))
+    for stages in (1, 7):
+        with pytest.raises(ValueError, match="2 to 6 stages"):
+            K.grouped_wgrad(grad_cols, x_cols, tiles=dataclasses.replace(CUDA_WGRAD, num_stages=stages))
+    if device.type == "cpu":
+        with pytest.raises(RuntimeError, match="needs a GPU"):
+            K.grouped_wgrad(grad_cols, x_cols, tiles=CUDA_WGRAD)
+    else:
+        with pytest.raises(ValueError, match="writes BF16 or fp32"):
+            K.grouped_wgrad(grad_cols, x_cols, torch.float16, tiles=CUDA_WGRAD)
+    with pytest.raises(ValueError, match="weight gradients only"):
+        K.grouped_gemm_by_weight(_rows_operand(8, 256, device, seed=25), _weights(2, 128, 256, device, seed=26),
+                                 _offsets([4, 4], device), tiles=CUDA_WGRAD)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,counts", [(4096, 7168, [700, 0, 1, 3, 129, 2048, 64, 1000]),
+                                        (7168, 2048, [700, 0, 1, 3, 129, 2048, 64, 1000]),
+                                        (256, 384, [1, 0, 260]), (128, 128, [0, 5, 0])],
+                         ids=["fc1", "fc2", "small", "one_step"])
+def test_cuda_wgrad_gives_the_triton_kernels_bits(n, k, counts):
+    """The CUDA kernel sums the same products in the same order as the Triton kernel: equal bits in
+    BF16 and fp32 and when adding into fp32 buffers, on ragged segments with empty and one-token
+    experts, at every stage count, also with fewer K steps than stages."""
+    grad_cols, x_cols = _cols_operands(counts, n, k, "cuda", seed=27)
+    for out_dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+        expected = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=DEFAULT_WGRAD_TILES).view(bits)
+        for stages in range(2, 7):
+            ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=dataclasses.replace(CUDA_WGRAD, num_stages=stages))
+            assert torch.equal(ours.view(bits), expected), f"{out_dtype}, {stages} stages"
+    expected = [torch.full((n, k), 0.25, device="cuda") for _ in counts]
+    ours = [b.clone() for b in expected]
+    K.grouped_wgrad(grad_cols, x_cols, accumulate_into=expected, tiles=DEFAULT_WGRAD_TILES)
+    K.grouped_wgrad(grad_cols, x_cols, accumulate_into=ours, tiles=CUDA_WGRAD)
+    for e, (mine, theirs) in enumerate(zip(ours, expected)):
+        assert torch.equal(mine, theirs), f"expert {e}"

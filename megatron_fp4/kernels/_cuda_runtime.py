@@ -1,0 +1,158 @@
+"""CUDA C++ kernels without a build step: NVRTC compiles the source to an sm_90a cubin at first use
+(also on a machine without a GPU, which is how CI checks that it compiles), the driver API loads and
+launches it, and builds the Tensor Memory Accelerator's tensor maps. Both libraries are reached
+through ctypes, so nothing depends on the version of a binding package or of torch's C++ ABI."""
+
+import ctypes
+import glob
+import os
+import sys
+from functools import lru_cache
+from typing import Dict, Sequence, Tuple
+
+import torch
+
+SM90_ARCH = "sm_90a"  # wgmma and setmaxnreg exist only in the sm_90a target
+
+
+def _find_library(patterns: Sequence[str]) -> str:
+    """The first file matching one of `patterns` in the CUDA libraries pip installs next to torch, in
+    torch's own folder or in CUDA_HOME."""
+    folders = []
+    for entry in sys.path:
+        folders += glob.glob(os.path.join(entry, "nvidia", "*", "lib")) + [os.path.join(entry, "torch", "lib")]
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    folders += [os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib")]
+    for folder in folders:
+        for pattern in patterns:
+            found = sorted(glob.glob(os.path.join(folder, pattern)))
+            if found:
+                return found[-1]
+    raise RuntimeError(f"no CUDA library matching {list(patterns)} in {folders}: install torch's CUDA build "
+                       "(it brings NVRTC) or set CUDA_HOME")
+
+
+@lru_cache(maxsize=None)
+def _nvrtc() -> ctypes.CDLL:
+    lib = ctypes.CDLL(_find_library(["libnvrtc.so.1[0-9]", "libnvrtc.so.1[0-9].*", "libnvrtc.so"]))
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+def _check_nvrtc(result: int, what: str) -> None:
+    if result:
+        raise RuntimeError(f"NVRTC {what} failed: {_nvrtc().nvrtcGetErrorString(result).decode()}")
+
+
+@lru_cache(maxsize=None)
+def compile_cubin(source_path: str, defines: Tuple[Tuple[str, int], ...] = ()) -> Tuple[bytes, str]:
+    """(cubin, ptxas's report) of a CUDA source file for sm_90a; a compile error raises with NVRTC's log."""
+    with open(source_path) as f:
+        source = f.read()
+    lib = _nvrtc()
+    program = ctypes.c_void_p()
+    _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), os.path.basename(source_path).encode(),
+                                        0, None, None), "create")
+    try:
+        options = [f"--gpu-architecture={SM90_ARCH}", "-std=c++17", "--ptxas-options=-v"] + [
+            f"-D{name}={value}" for name, value in defines]
+        option_array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        compiled = lib.nvrtcCompileProgram(program, len(options), option_array)
+        log_size = ctypes.c_size_t()
+        _check_nvrtc(lib.nvrtcGetProgramLogSize(program, ctypes.byref(log_size)), "log size")
+        log = ctypes.create_string_buffer(log_size.value)
+        _check_nvrtc(lib.nvrtcGetProgramLog(program, log), "log")
+        if compiled:
+            raise RuntimeError(f"NVRTC could not compile {source_path} for {SM90_ARCH} with {defines}:\n"
+                               f"{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        _check_nvrtc(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(lib.nvrtcGetCUBIN(program, cubin), "cubin")
+        return cubin.raw, log.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+@lru_cache(maxsize=None)
+def _driver() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        raise RuntimeError(f"the CUDA driver (libcuda.so.1) is not loadable: {error}") from None
+    return lib
+
+
+def _check_driver(result: int, what: str) -> None:
+    if result:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(result, ctypes.byref(name))
+        raise RuntimeError(f"CUDA driver call {what} failed: {name.value.decode() if name.value else result}")
+
+
+# CUfunction_attribute: the dynamic shared memory a launch may ask for.
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+# CUtensorMap enums.
+_TENSOR_MAP_UINT8 = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+
+
+class CudaKernel:
+    """One kernel of a compiled cubin, loaded into each device's current (torch's primary) context at
+    its first launch there."""
+
+    def __init__(self, cubin: bytes, name: str, shared_bytes: int):
+        self.cubin, self.name, self.shared_bytes = cubin, name, shared_bytes
+        self._functions: Dict[int, ctypes.c_void_p] = {}
+
+    def _function(self, device: torch.device) -> ctypes.c_void_p:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        function = self._functions.get(index)
+        if function is None:
+            lib = _driver()
+            with torch.cuda.device(index):
+                torch.cuda.current_stream()  # makes torch's context current on this thread
+                module, function = ctypes.c_void_p(), ctypes.c_void_p()
+                _check_driver(lib.cuModuleLoadData(ctypes.byref(module), self.cubin), "cuModuleLoadData")
+                _check_driver(lib.cuModuleGetFunction(ctypes.byref(function), module, self.name.encode()),
+                              f"cuModuleGetFunction({self.name})")
+                _check_driver(lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared_bytes),
+                              "cuFuncSetAttribute")
+            self._functions[index] = function
+        return function
+
+    def launch(self, device: torch.device, grid: int, threads: int, args: Sequence[ctypes._SimpleCData]) -> None:
+        """Launch on the current stream of `device`; args are ctypes values in the kernel's order (a
+        tensor map is passed as its 128 bytes)."""
+        function = self._function(device)
+        pointers = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        _check_driver(_driver().cuLaunchKernel(function, grid, 1, 1, threads, 1, 1, self.shared_bytes, stream,
+                                               pointers, None), f"cuLaunchKernel({self.name})")
+
+
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap: 128 opaque bytes, 64-byte aligned where the driver writes it (`encode_tiles`
+    copies it out of an aligned buffer)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
+    """A tensor map of a contiguous 2-D uint8/FP8 matrix read in [box_rows, box_cols] boxes, 128-byte
+    swizzled (box_cols must be 128 bytes: the wgmma operand layout); out-of-bounds reads are zeros."""
+    rows, cols = matrix.shape
+    if matrix.element_size() != 1 or not matrix.is_contiguous() or matrix.data_ptr() % 16 or cols % 16:
+        raise ValueError(f"tile_map: needs a contiguous 1-byte matrix, 16-byte aligned with rows of whole 16 bytes, "
+                         f"got {matrix.dtype} {tuple(matrix.shape)} at {matrix.data_ptr():#x}")
+    buffer = ctypes.create_string_buffer(ctypes.sizeof(TensorMap) + 64)
+    aligned = (ctypes.addressof(buffer) + 63) // 64 * 64
+    dims = (ctypes.c_uint64 * 2)(cols, rows)  # innermost first
+    strides = (ctypes.c_uint64 * 1)(cols)  # bytes between rows (the innermost stride is implied)
+    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
+    element_strides = (ctypes.c_uint32 * 2)(1, 1)
+    _check_driver(_driver().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(aligned), _TENSOR_MAP_UINT8, 2, ctypes.c_void_p(matrix.data_ptr()), dims, strides, box,
+        element_strides, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0), "cuTensorMapEncodeTiled")
+    return TensorMap.from_buffer_copy(ctypes.string_at(aligned, ctypes.sizeof(TensorMap)))
