@@ -57,7 +57,7 @@ ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1
     dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
 # The CUDA C++ kernel (grouped_wgrad_sm90) at three stage counts.
 WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + [
-    dataclasses.replace(CUDA_WGRAD, num_stages=stages) for stages in (4, 5, 6)]
+    dataclasses.replace(CUDA_WGRAD, num_stages=stages) for stages in (3, 4, 5)]
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

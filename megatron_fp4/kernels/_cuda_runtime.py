@@ -92,8 +92,8 @@ def _check_driver(result: int, what: str) -> None:
 
 # CUfunction_attribute: the dynamic shared memory a launch may ask for.
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-# CUtensorMap enums.
-_TENSOR_MAP_UINT8 = 0
+# CUtensorMap enums: the element types by size in bytes (the copies move bits, whatever they encode).
+_TENSOR_MAP_TYPES = {1: 0, 2: 1, 4: 2}
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 
@@ -140,12 +140,15 @@ class TensorMap(ctypes.Structure):
 
 
 def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
-    """A tensor map of a contiguous 2-D uint8/FP8 matrix read in [box_rows, box_cols] boxes, 128-byte
-    swizzled (box_cols must be 128 bytes: the wgmma operand layout); out-of-bounds reads are zeros."""
+    """A tensor map of a contiguous 2-D matrix copied in [box_rows, box_cols] boxes of 128-byte rows,
+    128-byte swizzled (the wgmma operand layout); out-of-bounds reads are zeros, writes dropped."""
     rows, cols = matrix.shape
-    if matrix.element_size() != 1 or not matrix.is_contiguous() or matrix.data_ptr() % 16 or cols % 16:
-        raise ValueError(f"tile_map: needs a contiguous 1-byte matrix, 16-byte aligned with rows of whole 16 bytes, "
-                         f"got {matrix.dtype} {tuple(matrix.shape)} at {matrix.data_ptr():#x}")
+    size = matrix.element_size()
+    if size not in _TENSOR_MAP_TYPES or not matrix.is_contiguous() or matrix.data_ptr() % 16 or (cols * size) % 16:
+        raise ValueError(f"tile_map: needs a contiguous matrix of 1, 2 or 4-byte elements, 16-byte aligned with rows "
+                         f"of whole 16 bytes, got {matrix.dtype} {tuple(matrix.shape)} at {matrix.data_ptr():#x}")
+    if box_cols * size != 128:
+        raise ValueError(f"tile_map: 128-byte swizzled boxes have rows of 128 bytes, got {box_cols} x {size} bytes")
     buffer = ctypes.create_string_buffer(ctypes.sizeof(TensorMap) + 64)
     aligned = (ctypes.addressof(buffer) + 63) // 64 * 64
     dims = (ctypes.c_uint64 * 2)(cols, rows)  # innermost first
@@ -153,6 +156,6 @@ def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
     element_strides = (ctypes.c_uint32 * 2)(1, 1)
     _check_driver(_driver().cuTensorMapEncodeTiled(
-        ctypes.c_void_p(aligned), _TENSOR_MAP_UINT8, 2, ctypes.c_void_p(matrix.data_ptr()), dims, strides, box,
+        ctypes.c_void_p(aligned), _TENSOR_MAP_TYPES[size], 2, ctypes.c_void_p(matrix.data_ptr()), dims, strides, box,
         element_strides, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0), "cuTensorMapEncodeTiled")
     return TensorMap.from_buffer_copy(ctypes.string_at(aligned, ctypes.sizeof(TensorMap)))

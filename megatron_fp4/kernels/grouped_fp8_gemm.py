@@ -81,8 +81,8 @@ DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages
 # Five stages of 32 KB: one program per SM (its three partitions share it).
 WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=5, row_halves=2, tma=True,
                                   warp_specialized=True)
-# 128 x 128 tiles, three warpgroups, six stages of 33 KB: one CTA per SM.
-CUDA_WGRAD = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=6, tma=True, cuda_sm90=True)
+# 128 x 128 tiles, three warpgroups, five stages of 33 KB: one CTA per SM.
+CUDA_WGRAD = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=5, tma=True, cuda_sm90=True)
 
 
 @triton.jit

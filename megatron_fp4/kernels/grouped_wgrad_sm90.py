@@ -15,16 +15,19 @@ SOURCE = os.path.join(os.path.dirname(__file__), "sm90", "grouped_wgrad.cu")
 KERNEL = "grouped_wgrad_sm90"
 THREADS = 3 * 128  # a producer warpgroup and two consumer warpgroups
 STAGE_BYTES = 2 * FP8_BLOCK * FP8_BLOCK + 2 * FP8_BLOCK * 4 + 2 * 8  # two FP8 tiles, their scales, two barriers
+OUT_TILE_BYTES = FP8_BLOCK * FP8_BLOCK * 2  # a BF16 output tile on its way out
+MAX_EXPERTS = 1024  # the segment offsets live in shared memory
 SHARED_LIMIT = 227 * 1024  # what one block may ask for on Hopper
 # The kernel's OutputMode.
 STORE_BF16, STORE_FP32, ACCUMULATE_FP32 = 0, 1, 2
 
 
 def shared_bytes(stages: int) -> int:
-    return stages * STAGE_BYTES + 1024  # + the alignment of the swizzled tiles to 1024 bytes
+    # + the alignment of the swizzled tiles to 1024 bytes
+    return stages * STAGE_BYTES + OUT_TILE_BYTES + 8 * (MAX_EXPERTS + 1) + 1024
 
 
-STAGE_COUNTS = range(2, (SHARED_LIMIT - 1024) // STAGE_BYTES + 1)  # 2 to 6
+STAGE_COUNTS = range(2, (SHARED_LIMIT - shared_bytes(0)) // STAGE_BYTES + 1)  # 2 to 5
 
 
 def check_stages(name: str, stages: int) -> None:
@@ -50,13 +53,20 @@ def launch(grad_data: torch.Tensor, grad_scales: torch.Tensor, input_data: torch
         if not scales.is_contiguous():
             raise ValueError("grouped_wgrad: the CUDA kernel copies contiguous block scales, got strides "
                              f"{scales.stride()}")
+    if num_experts > MAX_EXPERTS or num_experts * n >= 2**31:
+        raise ValueError(f"grouped_wgrad: the CUDA kernel takes up to {MAX_EXPERTS} experts and E * N below 2^31, got "
+                         f"{num_experts} experts of N = {n}")
     device = grad_data.device
     num_tiles = num_experts * (n // FP8_BLOCK) * (k // FP8_BLOCK)
     grid = min(num_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
     kernel, _ = build(stages)
     pointer = ctypes.c_uint64
+    grad_map = tile_map(grad_data, FP8_BLOCK, FP8_BLOCK)
+    # BF16 tiles leave through a map of the output as [E * N, K] (the other modes store from registers).
+    out_map = tile_map(target.view(num_experts * n, k), FP8_BLOCK // 2, FP8_BLOCK // 2) if mode == STORE_BF16 \
+        else grad_map
     kernel.launch(device, grid, THREADS, [
-        tile_map(grad_data, FP8_BLOCK, FP8_BLOCK), tile_map(input_data, FP8_BLOCK, FP8_BLOCK),
+        grad_map, tile_map(input_data, FP8_BLOCK, FP8_BLOCK), out_map,
         pointer(grad_scales.data_ptr()), pointer(input_scales.data_ptr()), pointer(offsets.data_ptr()),
         pointer(target.data_ptr()), ctypes.c_int32(mode), ctypes.c_int32(num_experts), ctypes.c_int32(n),
         ctypes.c_int32(k)])

@@ -281,8 +281,8 @@ def test_cuda_wgrad_tiles_are_refused_when_changed_off_the_gpu_and_for_other_gem
     for changed in (dict(block_m=64), dict(num_warps=4), dict(row_halves=2), dict(tma=False)):
         with pytest.raises(ValueError, match="CUDA kernel takes"):
             K.grouped_wgrad(grad_cols, x_cols, tiles=dataclasses.replace(CUDA_WGRAD, **changed))
-    for stages in (1, 7):
-        with pytest.raises(ValueError, match="2 to 6 stages"):
+    for stages in (1, 6):
+        with pytest.raises(ValueError, match="2 to 5 stages"):
             K.grouped_wgrad(grad_cols, x_cols, tiles=dataclasses.replace(CUDA_WGRAD, num_stages=stages))
     if device.type == "cpu":
         with pytest.raises(RuntimeError, match="needs a GPU"):
@@ -307,7 +307,7 @@ def test_cuda_wgrad_gives_the_triton_kernels_bits(n, k, counts):
     grad_cols, x_cols = _cols_operands(counts, n, k, "cuda", seed=27)
     for out_dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
         expected = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=DEFAULT_WGRAD_TILES).view(bits)
-        for stages in range(2, 7):
+        for stages in range(2, 6):
             ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=dataclasses.replace(CUDA_WGRAD, num_stages=stages))
             assert torch.equal(ours.view(bits), expected), f"{out_dtype}, {stages} stages"
     expected = [torch.full((n, k), 0.25, device="cuda") for _ in counts]

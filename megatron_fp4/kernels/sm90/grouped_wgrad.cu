@@ -12,13 +12,15 @@
 // SM runs three warpgroups: a producer that keeps loading (Tensor Memory Accelerator tiles and bulk
 // copies of the scales, into a ring of STAGES shared-memory stages) straight on into the next tile
 // while two consumer warpgroups, 64 output rows each, scale their products and store the previous
-// tile. Triton could not express that overlap (docs/kernels.md).
+// tile. Triton could not express that overlap (docs/kernels.md). BF16 tiles are written through
+// shared memory by the Tensor Memory Accelerator, so a consumer goes on to its next tile while the
+// copy runs.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #ifndef STAGES
-#define STAGES 6
+#define STAGES 5
 #endif
 
 struct alignas(64) TensorMap { u64 opaque[16]; };  // a CUtensorMap, built by the host
@@ -29,6 +31,8 @@ constexpr int SCALE_BYTES = TILE * 4;   // one step's fp32 scales of one operand
 constexpr int STEP_BYTES = 2 * OPERAND_BYTES + 2 * SCALE_BYTES;  // what one stage receives
 constexpr int GROUP_M = 8;              // row tiles side by side, so their column tiles are read from L2
 constexpr int CONSUMER_WARPS = 8;
+constexpr int OUT_HALF_BYTES = TILE * 128;  // a tile's 64 BF16 columns, 128-byte swizzled rows
+constexpr int MAX_EXPERTS = 1024;           // the segment offsets are copied to shared memory
 
 enum OutputMode { STORE_BF16 = 0, STORE_FP32 = 1, ACCUMULATE_FP32 = 2 };
 
@@ -67,6 +71,12 @@ __device__ __forceinline__ void load_tile(u32 dst, const TensorMap* map, int tok
 __device__ __forceinline__ void load_bytes(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// A [rows, 64 columns] box of BF16 from shared memory to the tensor map's (column, row).
+__device__ __forceinline__ void store_tile_async(const TensorMap* map, u32 src, int column, int row) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
+                 ::"l"(reinterpret_cast<u64>(map)), "r"(column), "r"(row), "r"(src) : "memory");
 }
 
 // A wgmma shared-memory descriptor of a K-major tile with 128-byte rows in the 128-byte swizzle (the
@@ -133,9 +143,10 @@ __device__ __forceinline__ u32 bf16x2_rounded(float low, float high) {
     return packed;
 }
 
-// One consumer warpgroup's 64 x 128 quarter of a tile: thread (warp w, lane l) holds rows
-// 16w + l/4 (+8) and columns 8j + 2(l%4) (+1), j = 0..15, the wgmma accumulator's layout.
-__device__ __forceinline__ void store_tile(const float (&acc)[64], void* out, int mode, Tile tile, int first_row,
+// One consumer warpgroup's 64 x 128 half of a tile in fp32, written or added from registers: thread
+// (warp w, lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1), j = 0..15, the wgmma
+// accumulator's layout.
+__device__ __forceinline__ void store_fp32(const float (&acc)[64], void* out, int mode, Tile tile, int first_row,
                                            int lane, int n, int k) {
     const u64 row0 = (u64)tile.row_tile * TILE + first_row + lane / 4;
     const u64 col0 = (u64)tile.col_tile * TILE + 2 * (lane % 4);
@@ -160,11 +171,23 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64], void* out, in
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const u64 at = base + (row0 + 8 * h) * k + col0 + 8 * j;
-            if (mode == STORE_BF16) {
-                reinterpret_cast<u32*>(out)[at / 2] = bf16x2_rounded(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            } else {
-                reinterpret_cast<float2*>(out)[at / 2] = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            }
+            reinterpret_cast<float2*>(out)[at / 2] = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+    }
+}
+
+// The same half rounded to BF16 into shared memory, in the layout of the output map's boxes: two
+// halves of 64 columns, rows of 128 bytes whose 16-byte chunks are swizzled by row % 8 (so the 8 rows
+// a warp writes at once fall on different banks).
+__device__ __forceinline__ void stage_bf16(const float (&acc)[64], unsigned char* out_tile, int first_row, int lane) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = first_row + lane / 4 + 8 * h;
+            const int chunk = (j % 8) ^ (row % 8);
+            *reinterpret_cast<u32*>(out_tile + (j / 8) * OUT_HALF_BYTES + row * 128 + chunk * 16 + (lane % 4) * 4) =
+                bf16x2_rounded(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         }
     }
 }
@@ -172,6 +195,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64], void* out, in
 extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
     const __grid_constant__ TensorMap grad_map,   // dY^T [N, capacity], boxes of [128 rows, 128 tokens]
     const __grid_constant__ TensorMap input_map,  // X^T [K, capacity], the same boxes
+    const __grid_constant__ TensorMap out_map,    // STORE_BF16: the output as [E * N, K], boxes of [64, 64]
     const float* grad_scales,                     // [capacity / 128, N]
     const float* input_scales,                    // [capacity / 128, K]
     const long long* offsets,                     // [E + 1]
@@ -185,11 +209,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
     const u32 a_tiles = base, b_tiles = base + STAGES * OPERAND_BYTES;
     const u32 a_scales_at = base + 2 * STAGES * OPERAND_BYTES;
     const u32 b_scales_at = a_scales_at + STAGES * SCALE_BYTES;
-    const u32 full = b_scales_at + STAGES * SCALE_BYTES;  // a stage's bytes have arrived
+    const u32 out_tile_at = b_scales_at + STAGES * SCALE_BYTES;  // 1024-aligned: STAGES * 1024 bytes of scales
+    const u32 offsets_at = out_tile_at + 2 * OUT_HALF_BYTES;
+    const u32 full = offsets_at + 8 * (MAX_EXPERTS + 1);  // a stage's bytes have arrived
     const u32 empty = full + STAGES * 8;                  // every consumer warp is done with a stage
     const float* const scales = reinterpret_cast<const float*>(shared + (a_scales_at - base));
+    unsigned char* const out_tile = shared + (out_tile_at - base);
+    long long* const segment = reinterpret_cast<long long*>(shared + (offsets_at - base));
 
     const int warpgroup = threadIdx.x / 128;
+    for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) segment[e] = offsets[e];
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             barrier_init(full + 8 * s, 1);
@@ -207,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
         if (threadIdx.x != 0) return;
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const Tile tile = tile_at(t, row_tiles, col_tiles);
-            const int first = (int)offsets[tile.expert], end = (int)offsets[tile.expert + 1];
+            const int first = (int)segment[tile.expert], end = (int)segment[tile.expert + 1];
             for (int token = first; token < end; token += TILE) {
                 barrier_wait(empty + 8 * ring.stage, ring.parity ^ 1);
                 const u32 bar = full + 8 * ring.stage;
@@ -229,9 +258,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
     const int consumer = warpgroup - 1;  // its 64 rows of each tile
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int my_row = consumer * 64 + warp * 16 + lane / 4;  // and my_row + 8
+    const bool issues_stores = threadIdx.x % 128 == 0;  // the warpgroup's thread that starts its copies out
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const Tile tile = tile_at(t, row_tiles, col_tiles);
-        const int first = (int)offsets[tile.expert], end = (int)offsets[tile.expert + 1];
+        const int first = (int)segment[tile.expert], end = (int)segment[tile.expert + 1];
         float acc[64], product[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
@@ -267,6 +297,24 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
             ring.advance();
         }
         if (mode == ACCUMULATE_FP32 && first == end) continue;  // nothing to add
-        store_tile(acc, out, mode, tile, consumer * 64 + warp * 16, lane, n, k);
+        if (mode != STORE_BF16) {
+            store_fp32(acc, out, mode, tile, consumer * 64 + warp * 16, lane, n, k);
+            continue;
+        }
+        // This warpgroup's rows of the shared tile are free once its previous copy has read them.
+        if (issues_stores) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
+        stage_bf16(acc, out_tile, consumer * 64 + warp * 16, lane);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the copy engine
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
+        if (issues_stores) {
+            const int row = tile.expert * n + tile.row_tile * TILE + consumer * 64;
+            for (int half = 0; half < 2; ++half) {
+                store_tile_async(&out_map, out_tile_at + half * OUT_HALF_BYTES + consumer * 64 * 128,
+                                 tile.col_tile * TILE + half * 64, row);
+            }
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
     }
+    if (issues_stores) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // before the CTA's memory goes
 }
