@@ -152,7 +152,7 @@ def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
     buffer = ctypes.create_string_buffer(ctypes.sizeof(TensorMap) + 64)
     aligned = (ctypes.addressof(buffer) + 63) // 64 * 64
     dims = (ctypes.c_uint64 * 2)(cols, rows)  # innermost first
-    strides = (ctypes.c_uint64 * 1)(cols)  # bytes between rows (the innermost stride is implied)
+    strides = (ctypes.c_uint64 * 1)(cols * size)  # bytes between rows (the innermost stride is implied)
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
     element_strides = (ctypes.c_uint32 * 2)(1, 1)
     _check_driver(_driver().cuTensorMapEncodeTiled(
