@@ -33,6 +33,9 @@ constexpr int GROUP_M = 8;              // row tiles side by side, so their colu
 constexpr int CONSUMER_WARPS = 8;
 constexpr int OUT_HALF_BYTES = TILE * 128;  // a tile's 64 BF16 columns, 128-byte swizzled rows
 constexpr int MAX_EXPERTS = 1024;           // the segment offsets are copied to shared memory
+// Named barriers: 0 is __syncthreads, 1 + c consumer c's output staging, MAY_ISSUE + c "consumer c
+// may issue its next products".
+constexpr int MAY_ISSUE = 3;
 
 enum OutputMode { STORE_BF16 = 0, STORE_FP32 = 1, ACCUMULATE_FP32 = 2 };
 
@@ -60,6 +63,15 @@ __device__ __forceinline__ void barrier_arrive(u32 bar) {
 
 __device__ __forceinline__ void barrier_expect_bytes(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Named barriers of 256 threads, the two consumer warpgroups: one arrives, the other waits.
+__device__ __forceinline__ void named_barrier_sync(int id) {
+    asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
 }
 
 // A [rows, 128 tokens] box of a tensor map at (token, row), completing on bar.
@@ -259,6 +271,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int my_row = consumer * 64 + warp * 16 + lane / 4;  // and my_row + 8
     const bool issues_stores = threadIdx.x % 128 == 0;  // the warpgroup's thread that starts its copies out
+    // The consumers take turns at the tensor cores, one step each: were both to issue a step's products
+    // at once, they would finish together and then both scale while the tensor cores idle. In turns,
+    // one scales while the other's products run. Consumer 0 goes first.
+    if (consumer == 1) named_barrier_arrive(MAY_ISSUE);
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const Tile tile = tile_at(t, row_tiles, col_tiles);
         const int first = (int)segment[tile.expert], end = (int)segment[tile.expert + 1];
@@ -267,22 +283,24 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
         for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
         for (int token = first; token < end; token += TILE) {
             barrier_wait(full + 8 * ring.stage, ring.parity);
-            const u64 a = operand_descriptor(a_tiles + ring.stage * OPERAND_BYTES + consumer * 64 * TILE);
-            const u64 b = operand_descriptor(b_tiles + ring.stage * OPERAND_BYTES);
-            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-            for (int step = 0; step < TILE / 32; ++step) {  // 32 bytes of K each: 2 in the descriptor's units
-                wgmma_64x128x32(product, a + 2 * step, b + 2 * step, step);
-            }
-            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-            keep_in_registers(product);
             const float* a_scale = scales + ring.stage * TILE;
             const float* b_scale = scales + STAGES * TILE + ring.stage * TILE;
             const float row_scale[2] = {a_scale[my_row], a_scale[my_row + 8]};
             float2 col_scale[16];
 #pragma unroll
             for (int j = 0; j < 16; ++j) col_scale[j] = reinterpret_cast<const float2*>(b_scale)[4 * j + lane % 4];
+            const u64 a = operand_descriptor(a_tiles + ring.stage * OPERAND_BYTES + consumer * 64 * TILE);
+            const u64 b = operand_descriptor(b_tiles + ring.stage * OPERAND_BYTES);
+            named_barrier_sync(MAY_ISSUE + consumer);
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int step = 0; step < TILE / 32; ++step) {  // 32 bytes of K each: 2 in the descriptor's units
+                wgmma_64x128x32(product, a + 2 * step, b + 2 * step, step);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            named_barrier_arrive(MAY_ISSUE + 1 - consumer);
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            keep_in_registers(product);
             __syncwarp();
             if (lane == 0) barrier_arrive(empty + 8 * ring.stage);
 #pragma unroll
@@ -316,5 +334,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
     }
+    if (consumer == 0) named_barrier_sync(MAY_ISSUE);  // consumer 1's arrival after its last step
     if (issues_stores) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // before the CTA's memory goes
 }
