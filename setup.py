@@ -9,7 +9,7 @@ setup(
     install_requires=["torch>=2.11", "triton>=3.6", "megatron-core>=0.18,<0.20", "pyyaml"],
     # The patches for Megatron-LM forks ship inside the package (megatron-fp4 patch finds them there);
     # so do the CUDA C++ sources NVRTC compiles at first use.
-    package_data={"megatron_fp4.patching": ["patches/*/*.patch"], "megatron_fp4.kernels": ["sm90/*.cu"]},
+    package_data={"megatron_fp4.patching": ["patches/*/*.patch"], "megatron_fp4.kernels": ["sm90/*.cu", "sm90/*.cuh"]},
     entry_points={"console_scripts": ["megatron-fp4 = megatron_fp4.cli:main"]},
     extras_require={
         # The test extra renders the estimator's plot in a test, so it needs the plot extra's matplotlib;

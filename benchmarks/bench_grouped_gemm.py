@@ -31,8 +31,8 @@ from triton.runtime.errors import OutOfResources
 from megatron_fp4 import kernels as K
 from megatron_fp4.formats import FP8_BLOCK
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_WGRAD, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
-                                                   WARP_SPECIALIZED_ROWS)
+from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
+                                                   WARP_SPECIALIZED_ROWS, default_tiles)
 from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
 
@@ -53,11 +53,12 @@ def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
 # a532c18, ran at 0.32-0.73 of the default and gave other bits with two row halves.)
 # The warp-specialized Gluon kernel (CUDA only) at three stage counts: 0.88x-1.02x of the default at
 # 2e84cd6 (docs/kernels.md).
+# The CUDA C++ kernels (grouped_gemm_sm90, the default on SM90) at three stage counts, compared with
+# the Triton kernels' tiles, which come first.
+CUDA_SWEEP = [dataclasses.replace(CUDA_TILES, num_stages=stages) for stages in (3, 4, 5)]
 ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
-    dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)]
-# The CUDA C++ kernel (grouped_wgrad_sm90) at three stage counts.
-WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + [
-    dataclasses.replace(CUDA_WGRAD, num_stages=stages) for stages in (3, 4, 5)]
+    dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)] + CUDA_SWEEP
+WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + CUDA_SWEEP
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, nargs="+", default=[32, 8], help="local experts")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--no-sweep", action="store_true", help="only the default tile configs")
+    p.add_argument("--no-sweep", action="store_true", help="only the default tile configs (the CUDA kernels on SM90 GPUs)")
     p.add_argument("--gemms", nargs="+", choices=[*ROWS_GEMMS, *WGRAD_GEMMS], default=[*ROWS_GEMMS, *WGRAD_GEMMS],
                    help="the GEMMs to measure (default: all six)")
     args = p.parse_args(argv)
@@ -224,8 +225,9 @@ def main(argv=None) -> int:
             f"{references.get(r, float('nan')):.0f} ({value / references[r]:.2f}x)" if r in references else "-"
             for r in ("dense_scaled_mm", "grouped_mm_bf16", "per_expert_scaled_mm")) + f" | {tiles} |")
 
-    rows_sweep = [DEFAULT_ROWS_TILES] if args.no_sweep else ROWS_SWEEP
-    wgrad_sweep = [DEFAULT_WGRAD_TILES] if args.no_sweep else WGRAD_SWEEP
+    gpu = torch.device("cuda")
+    rows_sweep = [default_tiles(gpu, DEFAULT_ROWS_TILES)] if args.no_sweep else ROWS_SWEEP
+    wgrad_sweep = [default_tiles(gpu, DEFAULT_WGRAD_TILES)] if args.no_sweep else WGRAD_SWEEP
     for experts in args.experts:
         counts = ragged_counts(ROUTED_ROWS, experts, seed=experts)
         print(f"E={experts}: counts {counts.tolist()}")

@@ -59,8 +59,10 @@ def parse_args(argv):
     p.add_argument("--no-experts-table", action="store_true", help="skip the five-layer experts comparison")
     p.add_argument("--gemm-variants", action="store_true",
                    help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT), with "
-                   "their weights quantized per use (--moe-fp4-weights-per-use), and the FP8 baseline behind "
-                   "megatron_fp4's permute (the FP4 layers' atomic-free sums, BF16 dispatch)")
+                   "their weights quantized per use (--moe-fp4-weights-per-use), on the Triton GEMM kernels "
+                   "(ExpertGemms.GROUPED_TRITON; the CUDA ones are the default on SM90), with the warp-specialized "
+                   "Gluon fprop/dgrad kernel (GPU only), and the FP8 baseline behind megatron_fp4's permute (the FP4 "
+                   "layers' atomic-free sums, BF16 dispatch)")
     return p.parse_args(argv)
 
 
@@ -176,6 +178,8 @@ FP8_BASELINE_PER_EXPERT = "FP8 baseline, per-expert scaled_mm"
 FP4_FP8_PER_EXPERT = "FP4 dispatch + FP8 experts, per-expert scaled_mm"
 FP4_FP8_WEIGHTS_PER_USE = "FP4 dispatch + FP8 experts, weights quantized per use"
 FP4_FP8_WARP_SPECIALIZED = "FP4 dispatch + FP8 experts, warp-specialized fprop/dgrad GEMMs"
+# The grouped GEMMs on the Triton kernels where the CUDA ones are the default (SM90).
+FP4_FP8_TRITON = "FP4 dispatch + FP8 experts, Triton GEMMs"
 # The FP8 baseline with the FP4 layers' permute (dispatch/permute.py): what FP4 dispatch adds or saves
 # apart from the permute.
 FP8_BASELINE_LEAN_PERMUTE = "FP8 baseline behind megatron_fp4's permute"
@@ -204,6 +208,8 @@ def experts_layers(args, config, stock, fp4) -> dict:
                                      (FP4_FP8_PER_EXPERT, FP4Options(dispatch=True, dispatch_grad=args.grad,
                                                                      experts="fp8"), ExpertGemms.PER_EXPERT),
                                      (FP4_FP8_WEIGHTS_PER_USE, per_use, ExpertGemms.GROUPED),
+                                     (FP4_FP8_TRITON, FP4Options(dispatch=True, dispatch_grad=args.grad,
+                                                                 experts="fp8"), ExpertGemms.GROUPED_TRITON),
                                      *_cuda_only(FP4_FP8_WARP_SPECIALIZED, FP4Options(dispatch=True,
                                                                                       dispatch_grad=args.grad,
                                                                                       experts="fp8"),

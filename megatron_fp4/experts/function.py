@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from .. import kernels as K
-from ..kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS
+from ..kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..telemetry import Telemetry
 from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
@@ -40,8 +40,11 @@ from .swiglu_forward import SwiGLUOutputs, swiglu_quantized
 class ExpertGemms(Enum):
     """How the experts' FP8 GEMMs run (both compute the same block-scaled products)."""
 
-    GROUPED = "grouped"  # one Triton launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py)
-    # GROUPED with the forward and data-gradient GEMMs on the warp-specialized Gluon kernel
+    # One launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py): the CUDA C++ kernels on
+    # SM90 GPUs, the Triton kernels elsewhere (the same bits).
+    GROUPED = "grouped"
+    GROUPED_TRITON = "grouped_triton"  # GROUPED on the Triton kernels on every GPU
+    # GROUPED_TRITON with the forward and data-gradient GEMMs on the warp-specialized Gluon kernel
     # (kernels/grouped_fp8_gemm_ws.py; CUDA only, the same bits)
     GROUPED_WARP_SPECIALIZED = "grouped_warp_specialized"
     PER_EXPERT = "per_expert"  # one cuBLASLt scaled_mm per expert with tokens, from Python (gemm.py)
@@ -81,7 +84,8 @@ def weight_gradients(params, grad_cols, input_cols, dtype, call: ExpertsCall) ->
 
 def _wgrad(call: ExpertsCall, grad_cols, input_cols, dtype, accumulate_into):
     if call.gemms is not ExpertGemms.PER_EXPERT:
-        return K.grouped_wgrad(grad_cols, input_cols, dtype, accumulate_into=accumulate_into)
+        tiles = None if call.gemms is ExpertGemms.GROUPED else DEFAULT_WGRAD_TILES
+        return K.grouped_wgrad(grad_cols, input_cols, dtype, accumulate_into=accumulate_into, tiles=tiles)
     return per_expert_wgrad(call.segments, grad_cols, input_cols, dtype, accumulate_into)
 
 
@@ -203,7 +207,8 @@ def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) 
     """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks)."""
     if call.gemms is ExpertGemms.PER_EXPERT:
         return per_expert_products(call.segments, rows, weights, dtype)
-    tiles = WARP_SPECIALIZED_ROWS if call.gemms is ExpertGemms.GROUPED_WARP_SPECIALIZED else DEFAULT_ROWS_TILES
+    tiles = {ExpertGemms.GROUPED: None, ExpertGemms.GROUPED_TRITON: DEFAULT_ROWS_TILES,
+             ExpertGemms.GROUPED_WARP_SPECIALIZED: WARP_SPECIALIZED_ROWS}[call.gemms]
     return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype, tiles=tiles)
 
 

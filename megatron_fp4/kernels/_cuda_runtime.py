@@ -13,6 +13,7 @@ from typing import Dict, Sequence, Tuple
 import torch
 
 SM90_ARCH = "sm_90a"  # wgmma and setmaxnreg exist only in the sm_90a target
+SOURCES = os.path.join(os.path.dirname(__file__), "sm90")  # the kernels and the header they share
 
 
 def _find_library(patterns: Sequence[str]) -> str:
@@ -46,7 +47,8 @@ def _check_nvrtc(result: int, what: str) -> None:
 
 @lru_cache(maxsize=None)
 def compile_cubin(source_path: str, defines: Tuple[Tuple[str, int], ...] = ()) -> Tuple[bytes, str]:
-    """(cubin, ptxas's report) of a CUDA source file for sm_90a; a compile error raises with NVRTC's log."""
+    """(cubin, ptxas's report) of a CUDA source file for sm_90a, its includes found in SOURCES; a compile
+    error raises with NVRTC's log."""
     with open(source_path) as f:
         source = f.read()
     lib = _nvrtc()
@@ -54,7 +56,7 @@ def compile_cubin(source_path: str, defines: Tuple[Tuple[str, int], ...] = ()) -
     _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), os.path.basename(source_path).encode(),
                                         0, None, None), "create")
     try:
-        options = [f"--gpu-architecture={SM90_ARCH}", "-std=c++17", "--ptxas-options=-v"] + [
+        options = [f"--gpu-architecture={SM90_ARCH}", "-std=c++17", "--ptxas-options=-v", f"--include-path={SOURCES}"] + [
             f"-D{name}={value}" for name, value in defines]
         option_array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
         compiled = lib.nvrtcCompileProgram(program, len(options), option_array)

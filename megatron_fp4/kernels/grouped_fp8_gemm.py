@@ -21,6 +21,7 @@ Accelerator from tensor descriptors built on the host; the sums are the same.
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import List, Optional, Sequence
 
 import torch
@@ -35,7 +36,7 @@ from ._bits import store_rounded
 from ._checks import check_kernel_device
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 from ._tile_order import swizzled, tile_of_expert
-from . import grouped_fp8_gemm_ws, grouped_wgrad_sm90
+from . import grouped_fp8_gemm_ws, grouped_gemm_sm90
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,9 @@ class GemmTiles:
     # loading through TMA, two consumer warpgroups on the two 64-row halves), the same bits. Its
     # tiles are fixed (WARP_SPECIALIZED_ROWS below) but for num_stages and group_m.
     warp_specialized: bool = False
-    # wgrad only, CUDA only: the CUDA C++ kernel of grouped_wgrad_sm90 (persistent, a producer
-    # warpgroup and two consumer warpgroups), the same sums. Its tiles are fixed (CUDA_WGRAD below)
-    # but for num_stages.
+    # SM90 GPUs only: the CUDA C++ kernels of grouped_gemm_sm90 (persistent, a producer warpgroup and
+    # two consumer warpgroups taking turns at the tensor cores), the same sums. Their tiles are fixed
+    # (CUDA_TILES below) but for num_stages. The default on SM90 GPUs.
     cuda_sm90: bool = False
 
 
@@ -81,8 +82,22 @@ DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages
 # Five stages of 32 KB: one program per SM (its three partitions share it).
 WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=5, row_halves=2, tma=True,
                                   warp_specialized=True)
-# 128 x 128 tiles, three warpgroups, five stages of 33 KB: one CTA per SM.
-CUDA_WGRAD = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=5, tma=True, cuda_sm90=True)
+# 128 x 128 tiles, three warpgroups, four stages of 32-33 KB: one CTA per SM. On H200 (commit 2fef8e5, rows
+# in benchmarks/results/grouped_gemm.jsonl) the weight gradients ran at 789-925 TFLOP/s at 3, 4 or 5
+# stages, against 582-807 for the Triton kernel; the stage counts differed by a few percent, in no
+# consistent order.
+CUDA_TILES = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=4, tma=True, cuda_sm90=True)
+
+
+def default_tiles(device: torch.device, triton_tiles: GemmTiles) -> GemmTiles:
+    """The CUDA kernels on an SM90 GPU (they are sm_90a machine code), else the Triton kernel's tiles
+    (other GPUs, and the CPU interpreter)."""
+    return CUDA_TILES if device.type == "cuda" and _capability(device) == (9, 0) else triton_tiles
+
+
+@lru_cache(maxsize=None)
+def _capability(device: torch.device):
+    return torch.cuda.get_device_capability(device)
 
 
 @triton.jit
@@ -281,16 +296,17 @@ def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
     if tiles.warp_specialized and any(getattr(tiles, key) != value for key, value in fixed.items()):
         raise ValueError(f"{name}: the warp-specialized kernel takes {fixed} (only num_stages and group_m vary), "
                          f"got {tiles}")
-    if tiles.cuda_sm90 and tiles != dataclasses.replace(CUDA_WGRAD, num_stages=tiles.num_stages):
-        raise ValueError(f"{name}: the CUDA kernel takes {CUDA_WGRAD} but for num_stages, got {tiles}")
+    if tiles.cuda_sm90 and tiles != dataclasses.replace(CUDA_TILES, num_stages=tiles.num_stages):
+        raise ValueError(f"{name}: the CUDA kernel takes {CUDA_TILES} but for num_stages, got {tiles}")
     if n % FP8_BLOCK or k % FP8_BLOCK:
         raise ValueError(f"{name}: N {n} and K {k} must be multiples of {FP8_BLOCK}")
 
 
 def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row_offsets: torch.Tensor,
-                           out_dtype=torch.bfloat16, tiles: GemmTiles = DEFAULT_ROWS_TILES) -> torch.Tensor:
+                           out_dtype=torch.bfloat16, tiles: Optional[GemmTiles] = None) -> torch.Tensor:
     """[M, N]: rows [row_offsets[e], row_offsets[e + 1]) of `rows` (1x128, [M, K]) times weights[e]^T
-    (128x128, [N, K]) for every expert e. row_offsets: int64 [E + 1] on the rows' device, from 0 to M."""
+    (128x128, [N, K]) for every expert e. row_offsets: int64 [E + 1] on the rows' device, from 0 to M.
+    tiles: default_tiles(device, DEFAULT_ROWS_TILES) when None."""
     name = "grouped_gemm_by_weight"
     if not isinstance(rows, FP8BlockTensor) or rows.layout != ROWWISE:
         raise TypeError(f"{name}: expected a rowwise FP8BlockTensor")
@@ -302,14 +318,19 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
     if weight_k != k:
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
     _check_offsets(name, row_offsets, num_experts, rows.data.device)
+    tiles = tiles or default_tiles(rows.data.device, DEFAULT_ROWS_TILES)
     _check_tiles(name, tiles, n, k)
     if tiles.cuda_sm90:
-        raise ValueError(f"{name}: the CUDA kernel computes weight gradients only, got {tiles}")
+        _check_cuda_launch(name, tiles, grouped_gemm_sm90.ROWS, rows.data, weights.data)
     if tiles.warp_specialized and not rows.data.is_cuda:
         raise RuntimeError(f"{name}: the warp-specialized kernel is Gluon, which Triton's interpreter cannot run; "
                            "pass tiles without warp_specialized on the CPU")
     out = torch.empty(num_rows, n, dtype=out_dtype, device=rows.data.device)
     if num_rows == 0:
+        return out
+    if tiles.cuda_sm90:
+        grouped_gemm_sm90.launch_rows(rows.data, rows.block_scales, weights.data, weights.block_scales, row_offsets,
+                                      _stored(out), _cuda_output_mode(name, out), tiles.num_stages)
         return out
     num_tiles_m = triton.cdiv(num_rows, tiles.block_m) + num_experts
     if tiles.warp_specialized:
@@ -335,23 +356,22 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
 
 def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dtype=torch.bfloat16,
                   accumulate_into: Optional[Sequence[torch.Tensor]] = None,
-                  tiles: GemmTiles = DEFAULT_WGRAD_TILES) -> Optional[torch.Tensor]:
+                  tiles: Optional[GemmTiles] = None) -> Optional[torch.Tensor]:
     """[E, N, K]: for every expert, its columns of grad_cols ([N, capacity], dY^T) times the same
     columns of input_cols ([K, capacity], X^T) transposed; both colwise with the same segments.
     With accumulate_into (one contiguous fp32 [N, K] per expert) the fp32 sums are added there
-    instead, and nothing is returned."""
+    instead, and nothing is returned. tiles: default_tiles(device, DEFAULT_WGRAD_TILES) when None."""
     name = "grouped_wgrad"
-    if tiles.warp_specialized:
+    if tiles is not None and tiles.warp_specialized:
         raise ValueError(f"{name}: the warp-specialized kernel computes forward and data gradients only, got {tiles}")
     for operand in (grad_cols, input_cols):
         if not isinstance(operand, FP8BlockTensor) or operand.layout != COLWISE:
             raise TypeError(f"{name}: expected colwise FP8BlockTensors")
     check_kernel_device(name, grad_cols.data)
+    tiles = tiles or default_tiles(grad_cols.data.device, DEFAULT_WGRAD_TILES)
     if tiles.cuda_sm90:
         _check_tiles(name, tiles, grad_cols.shape[0], input_cols.shape[0])
-        grouped_wgrad_sm90.check_stages(name, tiles.num_stages)
-        if not grad_cols.data.is_cuda:
-            raise RuntimeError(f"{name}: the CUDA kernel needs a GPU; pass tiles without cuda_sm90 on the CPU")
+        _check_cuda_launch(name, tiles, grouped_gemm_sm90.WGRAD, grad_cols.data, input_cols.data)
     n, capacity = grad_cols.shape
     k, input_capacity = input_cols.shape
     # Both come from the same segments (the experts' counts); comparing their offsets here would
@@ -372,7 +392,9 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     if capacity == 0:  # no token at all: zero gradients (nothing to add); a TMA descriptor needs a width
         return None if out is None else out.zero_()
     if tiles.cuda_sm90:
-        _launch_cuda_wgrad(name, grad_cols, input_cols, out, target, tiles)
+        mode = grouped_gemm_sm90.ACCUMULATE_FP32 if out is None else _cuda_output_mode(name, out)
+        grouped_gemm_sm90.launch_wgrad(grad_cols.data, grad_cols.block_scales, input_cols.data,
+                                       input_cols.block_scales, offsets, target, mode, tiles.num_stages)
         return out
     _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
         _operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
@@ -386,18 +408,19 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     return out
 
 
-def _launch_cuda_wgrad(name: str, grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out: Optional[torch.Tensor],
-                       target: torch.Tensor, tiles: GemmTiles) -> None:
-    if out is None:
-        mode = grouped_wgrad_sm90.ACCUMULATE_FP32
-    elif out.dtype in (torch.bfloat16, torch.float32):
-        mode = grouped_wgrad_sm90.STORE_BF16 if out.dtype == torch.bfloat16 else grouped_wgrad_sm90.STORE_FP32
-    else:
+def _check_cuda_launch(name: str, tiles: GemmTiles, gemm, *operands: torch.Tensor) -> None:
+    """What the CUDA kernels need: its stage count, a GPU, FP8 operands that tensor maps can read."""
+    grouped_gemm_sm90.check_stages(name, gemm, tiles.num_stages)
+    if not operands[0].is_cuda:
+        raise RuntimeError(f"{name}: the CUDA kernel needs a GPU; pass tiles without cuda_sm90 on the CPU")
+    for data in operands:
+        _check_operand(name, data, True)
+
+
+def _cuda_output_mode(name: str, out: torch.Tensor) -> int:
+    if out.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"{name}: the CUDA kernel writes BF16 or fp32, got {out.dtype}")
-    for operand in (grad_cols, input_cols):
-        _check_operand(name, operand.data, True)
-    grouped_wgrad_sm90.launch(grad_cols.data, grad_cols.block_scales, input_cols.data, input_cols.block_scales,
-                              grad_cols.segment_offsets, target, mode, tiles.num_stages)
+    return grouped_gemm_sm90.STORE_BF16 if out.dtype == torch.bfloat16 else grouped_gemm_sm90.STORE_FP32
 
 
 def _operand(name: str, data: torch.Tensor, block, tma: bool):

@@ -275,6 +275,28 @@ def test_per_expert_gemms_match_the_grouped_ones(model_parallel, device):
                 assert not ours.any() and not theirs.any(), (e, fc)
 
 
+@pytest.mark.gpu
+def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device):
+    """On an SM90 GPU the grouped GEMMs default to the CUDA kernels: the layer's output, input and probs
+    gradients and weight gradients equal those of the Triton kernels (ExpertGemms.GROUPED_TRITON) bit
+    for bit."""
+    from megatron_fp4.experts import ExpertGemms
+
+    payload, probs, grad = _inputs(device)
+    received = ref.dequantize_mxfp4(payload)
+    default = _build(model_parallel, device)
+    on_triton = _build(model_parallel, device)
+    on_triton.gemms = ExpertGemms.GROUPED_TRITON
+    result, expected = _run(default, received, probs, grad, payload), _run(on_triton, received, probs, grad, payload)
+    for name, a, b in [("output", result[0], expected[0]), ("input grad", result[1], expected[1]),
+                       ("probs grad", result[2], expected[2])]:
+        assert torch.equal(a, b), name
+    for e in range(len(COUNTS)):
+        for fc in ("linear_fc1", "linear_fc2"):
+            ours, theirs = (getattr(m.local_experts[e], fc).weight.grad for m in (default, on_triton))
+            assert torch.equal(ours, theirs), (e, fc)
+
+
 def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):
     """Two forwards and backwards with the same weights quantize W of fc1 and fc2 once and take W^T
     from it in each backward by transposing its blocks; with --moe-fp4-weights-per-use W and W^T are

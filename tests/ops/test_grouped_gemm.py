@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import CUDA_WGRAD, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS
+from megatron_fp4.kernels.grouped_fp8_gemm import CUDA_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS
 from megatron_fp4.tensors import COLWISE, FP8BlockTensor
 
 COUNTS = [130, 0, 3, 1, 70, 0, 256]  # > a tile, empty, not a multiple of 4, one token, ..., two full tiles
@@ -81,7 +81,8 @@ def _assert_within(result, exact, magnitude, eps, rounding):
     assert excess.max() <= 0, f"worst excess over the bound {excess.max():.3e}"
 
 
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES], ids=["default", "two-row-halves", "tma"])
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES, pytest.param(CUDA_TILES, marks=pytest.mark.gpu)],
+                         ids=["default", "two-row-halves", "tma", "cuda_sm90"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_grouped_gemm_matches_the_float64_oracle(device, tiles, out_dtype):
     k, n = 384, 256  # non-square, three K blocks
@@ -128,7 +129,7 @@ def _oracle_wgrad(grad_cols, x_cols):
     return torch.stack([p for p, _ in pairs]), torch.stack([m for _, m in pairs])
 
 
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES, pytest.param(CUDA_WGRAD, marks=pytest.mark.gpu)],
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES, pytest.param(CUDA_TILES, marks=pytest.mark.gpu)],
                          ids=["default", "two-row-halves", "tma", "cuda_sm90"])
 def test_grouped_wgrad_matches_the_float64_oracle(device, tiles):
     n, k = 256, 384
@@ -274,25 +275,26 @@ def test_warp_specialized_kernel_gives_the_triton_kernels_bits(experts, k, n, ou
     assert torch.isnan(expected[5]).all() and not torch.isnan(expected[7:]).any()
 
 
-def test_cuda_wgrad_tiles_are_refused_when_changed_off_the_gpu_and_for_other_gemms(device):
-    """The CUDA kernel's tiles are fixed but for its stages; it needs a GPU and computes weight
-    gradients only."""
+def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
+    """The CUDA kernels' tiles are fixed but for their stages, and they need a GPU."""
     grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=24)
-    for changed in (dict(block_m=64), dict(num_warps=4), dict(row_halves=2), dict(tma=False)):
-        with pytest.raises(ValueError, match="CUDA kernel takes"):
-            K.grouped_wgrad(grad_cols, x_cols, tiles=dataclasses.replace(CUDA_WGRAD, **changed))
-    for stages in (1, 6):
-        with pytest.raises(ValueError, match="2 to 5 stages"):
-            K.grouped_wgrad(grad_cols, x_cols, tiles=dataclasses.replace(CUDA_WGRAD, num_stages=stages))
-    if device.type == "cpu":
-        with pytest.raises(RuntimeError, match="needs a GPU"):
-            K.grouped_wgrad(grad_cols, x_cols, tiles=CUDA_WGRAD)
-    else:
-        with pytest.raises(ValueError, match="writes BF16 or fp32"):
-            K.grouped_wgrad(grad_cols, x_cols, torch.float16, tiles=CUDA_WGRAD)
-    with pytest.raises(ValueError, match="weight gradients only"):
-        K.grouped_gemm_by_weight(_rows_operand(8, 256, device, seed=25), _weights(2, 128, 256, device, seed=26),
-                                 _offsets([4, 4], device), tiles=CUDA_WGRAD)
+    rows, weights = _rows_operand(8, 256, device, seed=25), _weights(2, 128, 256, device, seed=26)
+    offsets = _offsets([4, 4], device)
+    gemms = {"wgrad": lambda tiles, *dtype: K.grouped_wgrad(grad_cols, x_cols, *dtype, tiles=tiles),
+             "by_weight": lambda tiles, *dtype: K.grouped_gemm_by_weight(rows, weights, offsets, *dtype, tiles=tiles)}
+    for gemm in gemms.values():
+        for changed in (dict(block_m=64), dict(num_warps=4), dict(row_halves=2), dict(tma=False)):
+            with pytest.raises(ValueError, match="CUDA kernel takes"):
+                gemm(dataclasses.replace(CUDA_TILES, **changed))
+        for stages in (1, 6):
+            with pytest.raises(ValueError, match="2 to 5 stages"):
+                gemm(dataclasses.replace(CUDA_TILES, num_stages=stages))
+        if device.type == "cpu":
+            with pytest.raises(RuntimeError, match="needs a GPU"):
+                gemm(CUDA_TILES)
+        else:
+            with pytest.raises(ValueError, match="writes BF16 or fp32"):
+                gemm(CUDA_TILES, torch.float16)
 
 
 @pytest.mark.gpu
@@ -308,11 +310,44 @@ def test_cuda_wgrad_gives_the_triton_kernels_bits(n, k, counts):
     for out_dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
         expected = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=DEFAULT_WGRAD_TILES).view(bits)
         for stages in range(2, 6):
-            ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=dataclasses.replace(CUDA_WGRAD, num_stages=stages))
+            ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=dataclasses.replace(CUDA_TILES, num_stages=stages))
             assert torch.equal(ours.view(bits), expected), f"{out_dtype}, {stages} stages"
     expected = [torch.full((n, k), 0.25, device="cuda") for _ in counts]
     ours = [b.clone() for b in expected]
     K.grouped_wgrad(grad_cols, x_cols, accumulate_into=expected, tiles=DEFAULT_WGRAD_TILES)
-    K.grouped_wgrad(grad_cols, x_cols, accumulate_into=ours, tiles=CUDA_WGRAD)
+    K.grouped_wgrad(grad_cols, x_cols, accumulate_into=ours, tiles=CUDA_TILES)
     for e, (mine, theirs) in enumerate(zip(ours, expected)):
         assert torch.equal(mine, theirs), f"expert {e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("experts,k,n", [(8, 7168, 4096), (8, 2048, 7168), (3, 384, 256), (3, 128, 256)],
+                         ids=["fc1", "fc2", "small", "one_k_step"])
+def test_cuda_rows_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype):
+    """The CUDA forward / data-gradient kernel sums the same products in the same order as the Triton
+    kernel: equal bits on ragged segments with empty and one-token experts, partial tiles whose
+    next rows are another expert's, a NaN row and an all-zero row, at every stage count."""
+    counts = [700, 0, 1, 3, 129, 2048, 64, 1000][:experts] if experts == 8 else [1, 0, 260]
+    x = torch.randn(sum(counts), k) * torch.exp2(torch.randint(-10, 10, (sum(counts), k)).float())
+    x[5] = float("nan")
+    x[6] = 0.0
+    rows = K.quantize_fp8_rows(x.bfloat16().cuda())
+    weights = _weights(experts, n, k, "cuda", seed=28)
+    offsets = _offsets(counts, "cuda")
+    expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=DEFAULT_ROWS_TILES)
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    for stages in range(2, 6):
+        ours = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype,
+                                        tiles=dataclasses.replace(CUDA_TILES, num_stages=stages))
+        assert torch.equal(ours.view(bits), expected.view(bits)), f"{stages} stages"
+    assert torch.isnan(expected[5]).all() and not torch.isnan(expected[7:]).any()
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernels_are_the_default_on_sm90():
+    from megatron_fp4.kernels.grouped_fp8_gemm import default_tiles
+
+    expected = CUDA_TILES if torch.cuda.get_device_capability() == (9, 0) else DEFAULT_ROWS_TILES
+    assert default_tiles(torch.device("cuda"), DEFAULT_ROWS_TILES) == expected
+    assert default_tiles(torch.device("cpu"), DEFAULT_ROWS_TILES) == DEFAULT_ROWS_TILES

@@ -55,19 +55,21 @@ def test_every_launched_kernel_declares_its_sm90_signature():
 
 
 def test_cuda_kernels_compile_for_sm90a_without_spills():
-    """NVRTC compiles the CUDA C++ weight-gradient kernel for sm_90a at every stage count it accepts,
-    on this machine, with no stack frame or spills and within the registers its launch bound gives
+    """NVRTC compiles the CUDA C++ GEMM kernels for sm_90a at every stage count they accept, on this
+    machine, with no stack frame or spills and within the registers their launch bound gives
     (65536 / 384 threads; the consumers raise theirs with setmaxnreg)."""
     import re
 
     import pytest
     import torch
 
-    from megatron_fp4.kernels import grouped_wgrad_sm90 as sm90
+    from megatron_fp4.kernels import grouped_gemm_sm90 as sm90
 
-    for stages in sm90.STAGE_COUNTS:
-        _, report = sm90.build(stages)
-        if not report and torch.cuda.is_available():  # seen on the GPU machines' NVRTC; CI's reports
-            pytest.skip("this NVRTC gives no ptxas report")
-        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
-        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 65536 // sm90.THREADS // 8 * 8, report
+    for gemm in (sm90.WGRAD, sm90.ROWS):
+        assert list(gemm.stage_counts) == [2, 3, 4, 5]
+        for stages in gemm.stage_counts:
+            _, report = sm90.build(gemm, stages)
+            if not report and torch.cuda.is_available():  # seen on the GPU machines' NVRTC; CI's reports
+                pytest.skip("this NVRTC gives no ptxas report")
+            assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+            assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 65536 // sm90.THREADS // 8 * 8, report

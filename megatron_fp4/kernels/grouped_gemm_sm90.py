@@ -1,0 +1,129 @@
+"""The grouped FP8 GEMMs in CUDA C++ for Hopper (sm90/*.cu): persistent CTAs of a producer warpgroup
+and two consumer warpgroups on 128 x 128 tiles, the same sums as the Triton kernels of
+grouped_fp8_gemm, which launches them for `GemmTiles.cuda_sm90` (the default on SM90 GPUs)."""
+
+import ctypes
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..formats import FP8_BLOCK
+from ._cuda_runtime import SOURCES, CudaKernel, compile_cubin, tile_map
+
+THREADS = 3 * 128  # a producer warpgroup and two consumer warpgroups
+MAX_EXPERTS = 1024  # per-expert tables live in shared memory (common.cuh)
+SHARED_LIMIT = 227 * 1024  # what one block may ask for on Hopper
+_OPERAND_TILE = FP8_BLOCK * FP8_BLOCK
+_OUT_TILE = FP8_BLOCK * FP8_BLOCK * 2  # a BF16 output tile on its way out
+_ALIGNMENT = 1024  # the swizzled tiles start at 1024-byte boundaries
+# The kernels' OutputMode.
+STORE_BF16, STORE_FP32, ACCUMULATE_FP32 = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Sm90Gemm:
+    """One kernel: its source, name and shared memory (per pipeline stage, and the rest)."""
+
+    source: str
+    name: str
+    stage_bytes: int
+    other_bytes: int
+
+    def shared_bytes(self, stages: int) -> int:
+        return stages * self.stage_bytes + self.other_bytes
+
+    @property
+    def stage_counts(self) -> range:
+        return range(2, (SHARED_LIMIT - self.other_bytes) // self.stage_bytes + 1)
+
+
+# Each stage: two FP8 tiles and two mbarriers; the weight gradient's also the step's two scale vectors.
+# Besides: the output tile, the segment offsets [E + 1] and (rows) the running tile counts [E].
+WGRAD = Sm90Gemm("grouped_wgrad.cu", "grouped_wgrad_sm90", 2 * _OPERAND_TILE + 2 * FP8_BLOCK * 4 + 16,
+                 _OUT_TILE + 8 * (MAX_EXPERTS + 1) + _ALIGNMENT)
+ROWS = Sm90Gemm("grouped_rows.cu", "grouped_rows_sm90", 2 * _OPERAND_TILE + 16,
+                _OUT_TILE + 8 * (MAX_EXPERTS + 1) + 4 * MAX_EXPERTS + _ALIGNMENT)
+
+
+def check_stages(name: str, gemm: Sm90Gemm, stages: int) -> None:
+    counts = gemm.stage_counts
+    if stages not in counts:
+        raise ValueError(f"{name}: the CUDA kernel takes {counts.start} to {counts.stop - 1} stages "
+                         f"({gemm.stage_bytes} bytes of shared memory each), got {stages}")
+
+
+@lru_cache(maxsize=None)
+def build(gemm: Sm90Gemm, stages: int):
+    """(the kernel, ptxas's report) at `stages` pipeline stages (compiled once per process)."""
+    cubin, report = compile_cubin(os.path.join(SOURCES, gemm.source), (("STAGES", stages),))
+    return CudaKernel(cubin, gemm.name, gemm.shared_bytes(stages)), report
+
+
+def _check_experts(name: str, num_experts: int, rows: int) -> None:
+    """The kernels' per-expert tables hold MAX_EXPERTS; tile coordinates are 32-bit."""
+    if num_experts > MAX_EXPERTS or rows >= 2**31:
+        raise ValueError(f"{name}: the CUDA kernel takes up to {MAX_EXPERTS} experts and fewer than 2^31 output rows, "
+                         f"got {num_experts} experts and {rows} rows")
+
+
+def _contiguous_scales(name: str, *scales: torch.Tensor) -> None:
+    for s in scales:
+        if not s.is_contiguous():
+            raise ValueError(f"{name}: the CUDA kernel reads contiguous block scales, got strides {s.stride()}")
+
+
+def _grid(device: torch.device, tiles: int) -> int:
+    return max(1, min(tiles, torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+def _out_map(target: torch.Tensor, rows: int, cols: int, mode: int, unused):
+    """BF16 tiles leave through a map of the output as [rows, cols] (the other modes store from registers
+    and get `unused`)."""
+    return tile_map(target.view(rows, cols), FP8_BLOCK // 2, FP8_BLOCK // 2) if mode == STORE_BF16 else unused
+
+
+_pointer = ctypes.c_uint64
+_int = ctypes.c_int32
+
+
+def launch_wgrad(grad_data: torch.Tensor, grad_scales: torch.Tensor, input_data: torch.Tensor,
+                 input_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int,
+                 stages: int) -> None:
+    """dW_e = dY_e^T X_e for every expert into `target` ([E, N, K] BF16 as int16 or fp32, or with
+    ACCUMULATE_FP32 the int64 address table of each expert's fp32 [N, K]); operands as grouped_wgrad's."""
+    name = "grouped_wgrad"
+    n, k = grad_data.shape[0], input_data.shape[0]
+    num_experts = offsets.numel() - 1
+    _check_experts(name, num_experts, num_experts * n)
+    _contiguous_scales(name, grad_scales, input_scales)
+    grad_map = tile_map(grad_data, FP8_BLOCK, FP8_BLOCK)
+    kernel, _ = build(WGRAD, stages)
+    kernel.launch(grad_data.device, _grid(grad_data.device, num_experts * (n // FP8_BLOCK) * (k // FP8_BLOCK)),
+                  THREADS, [
+                      grad_map, tile_map(input_data, FP8_BLOCK, FP8_BLOCK),
+                      _out_map(target, num_experts * n, k, mode, grad_map),
+                      _pointer(grad_scales.data_ptr()), _pointer(input_scales.data_ptr()),
+                      _pointer(offsets.data_ptr()), _pointer(target.data_ptr()), _int(mode), _int(num_experts),
+                      _int(n), _int(k)])
+
+
+def launch_rows(rows_data: torch.Tensor, row_scales: torch.Tensor, weight_data: torch.Tensor,
+                weight_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int,
+                stages: int) -> None:
+    """Y[rows of e] = X[rows of e] W_e^T into `target` ([M, N], BF16 as int16 or fp32); operands as
+    grouped_gemm_by_weight's (weight_data [E, N, K])."""
+    name = "grouped_gemm_by_weight"
+    m, k = rows_data.shape
+    num_experts, n, _ = weight_data.shape
+    _check_experts(name, num_experts, num_experts * n)
+    _contiguous_scales(name, row_scales, weight_scales)
+    rows_map = tile_map(rows_data, FP8_BLOCK, FP8_BLOCK)
+    kernel, _ = build(ROWS, stages)
+    upper_bound_tiles = (-(-m // FP8_BLOCK) + num_experts) * (n // FP8_BLOCK)
+    kernel.launch(rows_data.device, _grid(rows_data.device, upper_bound_tiles), THREADS, [
+        rows_map, tile_map(weight_data.view(num_experts * n, k), FP8_BLOCK, FP8_BLOCK),
+        _out_map(target, m, n, mode, rows_map), _pointer(row_scales.data_ptr()),
+        _pointer(weight_scales.data_ptr()), _pointer(offsets.data_ptr()), _pointer(target.data_ptr()), _int(mode),
+        _int(num_experts), _int(m), _int(n), _int(k), _int(weight_scales.shape[2])])
