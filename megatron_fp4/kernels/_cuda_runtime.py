@@ -7,6 +7,7 @@ import ctypes
 import glob
 import os
 import sys
+from collections import OrderedDict
 from functools import lru_cache
 from typing import Dict, Sequence, Tuple
 
@@ -128,17 +129,24 @@ class CudaKernel:
         """Launch on the current stream of `device`; args are ctypes values in the kernel's order (a
         tensor map is passed as its 128 bytes)."""
         function = self._function(device)
-        pointers = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
         _check_driver(_driver().cuLaunchKernel(function, grid, 1, 1, threads, 1, 1, self.shared_bytes, stream,
                                                pointers, None), f"cuLaunchKernel({self.name})")
 
 
 class TensorMap(ctypes.Structure):
-    """A CUtensorMap: 128 opaque bytes, 64-byte aligned where the driver writes it (`encode_tiles`
-    copies it out of an aligned buffer)."""
+    """A CUtensorMap: 128 opaque bytes (encoded where the driver wants them, 64-byte aligned, then copied)."""
 
     _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+_ELEMENT_STRIDES = (ctypes.c_uint32 * 2)(1, 1)
+# A tensor map depends only on the matrix's address, shape and element size and the box: encoded maps
+# are kept by those (a model's weights keep their addresses; activations often return to the same
+# ones), so most launches skip the encoding. Bounded.
+_tile_maps: "OrderedDict[tuple, TensorMap]" = OrderedDict()
+_MAX_TILE_MAPS = 512
 
 
 def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
@@ -146,18 +154,28 @@ def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
     128-byte swizzled (the wgmma operand layout); out-of-bounds reads are zeros, writes dropped."""
     rows, cols = matrix.shape
     size = matrix.element_size()
-    if size not in _TENSOR_MAP_TYPES or not matrix.is_contiguous() or matrix.data_ptr() % 16 or (cols * size) % 16:
+    address = matrix.data_ptr()
+    if size not in _TENSOR_MAP_TYPES or not matrix.is_contiguous() or address % 16 or (cols * size) % 16:
         raise ValueError(f"tile_map: needs a contiguous matrix of 1, 2 or 4-byte elements, 16-byte aligned with rows "
-                         f"of whole 16 bytes, got {matrix.dtype} {tuple(matrix.shape)} at {matrix.data_ptr():#x}")
+                         f"of whole 16 bytes, got {matrix.dtype} {tuple(matrix.shape)} at {address:#x}")
     if box_cols * size != 128:
         raise ValueError(f"tile_map: 128-byte swizzled boxes have rows of 128 bytes, got {box_cols} x {size} bytes")
+    key = (address, rows, cols, size, box_rows, box_cols)
+    found = _tile_maps.get(key)
+    if found is not None:
+        _tile_maps.move_to_end(key)
+        return found
     buffer = ctypes.create_string_buffer(ctypes.sizeof(TensorMap) + 64)
     aligned = (ctypes.addressof(buffer) + 63) // 64 * 64
     dims = (ctypes.c_uint64 * 2)(cols, rows)  # innermost first
     strides = (ctypes.c_uint64 * 1)(cols * size)  # bytes between rows (the innermost stride is implied)
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
-    element_strides = (ctypes.c_uint32 * 2)(1, 1)
     _check_driver(_driver().cuTensorMapEncodeTiled(
-        ctypes.c_void_p(aligned), _TENSOR_MAP_TYPES[size], 2, ctypes.c_void_p(matrix.data_ptr()), dims, strides, box,
-        element_strides, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0), "cuTensorMapEncodeTiled")
-    return TensorMap.from_buffer_copy(ctypes.string_at(aligned, ctypes.sizeof(TensorMap)))
+        ctypes.c_void_p(aligned), _TENSOR_MAP_TYPES[size], 2, ctypes.c_void_p(address), dims, strides, box,
+        _ELEMENT_STRIDES, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0), "cuTensorMapEncodeTiled")
+    encoded = TensorMap()
+    ctypes.memmove(ctypes.addressof(encoded), aligned, ctypes.sizeof(TensorMap))
+    _tile_maps[key] = encoded
+    if len(_tile_maps) > _MAX_TILE_MAPS:
+        _tile_maps.popitem(last=False)
+    return encoded

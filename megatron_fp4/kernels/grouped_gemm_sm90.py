@@ -75,7 +75,12 @@ def _contiguous_scales(name: str, *scales: torch.Tensor) -> None:
 
 
 def _grid(device: torch.device, tiles: int) -> int:
-    return max(1, min(tiles, torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(tiles, _multiprocessors(device)))
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _out_map(target: torch.Tensor, rows: int, cols: int, mode: int, unused):

@@ -120,9 +120,13 @@ struct Ring {  // where the next step goes in the ring of stages, and the parity
     }
 };
 
+// Two fp32 values as BF16 bits, rounded to nearest even, NaN as 0x7FC0: the rule of the Triton kernels
+// (_bits.fp32_to_bf16_bits), so that both write the same bits.
 __device__ __forceinline__ u32 bf16x2_rounded(float low, float high) {
     u32 packed;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    if (low != low) packed = (packed & 0xFFFF0000u) | 0x7FC0u;
+    if (high != high) packed = (packed & 0x0000FFFFu) | 0x7FC00000u;
     return packed;
 }
 
