@@ -43,22 +43,14 @@ ROWS_GEMMS = {"fc1_fprop": (2 * FFN, HIDDEN), "fc2_fprop": (HIDDEN, FFN), "fc1_d
               "fc2_dgrad": (FFN, HIDDEN)}
 WGRAD_GEMMS = {"fc1_wgrad": (2 * FFN, HIDDEN), "fc2_wgrad": (HIDDEN, FFN)}
 
-def _sweep(default: GemmTiles, shapes) -> List[GemmTiles]:
-    """The default first, then (block_m, warps, stages, group_m, row_halves, tma) candidates."""
-    candidates = [GemmTiles(m, 128, *rest) for m, *rest in shapes]
-    return [default] + [tiles for tiles in candidates if tiles != default]
-
-
-# The runners-up of earlier sweeps. (Triton 3.6's warp specialization of the wgrad loop, tried at
-# a532c18, ran at 0.32-0.73 of the default and gave other bits with two row halves.)
-# The warp-specialized Gluon kernel (CUDA only) at three stage counts: 0.88x-1.02x of the default at
-# 2e84cd6 (docs/kernels.md).
-# The CUDA C++ kernels (grouped_gemm_sm90, the default on SM90) at three stage counts, compared with
-# the Triton kernels' tiles, which come first.
-CUDA_SWEEP = [dataclasses.replace(CUDA_TILES, num_stages=stages) for stages in (3, 4, 5)]
-ROWS_SWEEP = _sweep(DEFAULT_ROWS_TILES, [(64, 4, 3, 8, 1, True), (64, 4, 3, 8, 1, False)]) + [
-    dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages) for stages in (4, 5, 6)] + CUDA_SWEEP
-WGRAD_SWEEP = _sweep(DEFAULT_WGRAD_TILES, [(64, 4, 4, 8, 1, False), (64, 4, 2, 8, 1, True)]) + CUDA_SWEEP
+# The Triton kernels' tiles first (the default off SM90, and the bits every other config must give),
+# the warp-specialized Gluon kernel at its best stage count of earlier sweeps (0.88x-1.02x of the
+# Triton default at 2e84cd6; docs/kernels.md has the other runners-up), then the CUDA kernels (the
+# default on SM90) at 128 and 256 columns per tile.
+CUDA_SWEEP = [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n)
+              for block_n, stages in ((128, 3), (128, 4), (256, 2), (256, 3))]
+ROWS_SWEEP = [DEFAULT_ROWS_TILES, dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=5)] + CUDA_SWEEP
+WGRAD_SWEEP = [DEFAULT_WGRAD_TILES] + CUDA_SWEEP
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

@@ -289,15 +289,17 @@ def _store_wgrad(c_ptr, expert, rows, cols, acc, N: tl.constexpr, K: tl.constexp
 
 
 def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
-    if tiles.block_n != FP8_BLOCK or tiles.row_halves not in (1, 2):
+    """Tiles the kernel takes for an output of n columns and a reduction over k (k: the forward's K, or
+    the weight gradient's output columns, its K)."""
+    if tiles.cuda_sm90 and tiles != dataclasses.replace(CUDA_TILES, num_stages=tiles.num_stages, block_n=tiles.block_n):
+        raise ValueError(f"{name}: the CUDA kernel takes {CUDA_TILES} but for num_stages and block_n, got {tiles}")
+    if not tiles.cuda_sm90 and (tiles.block_n != FP8_BLOCK or tiles.row_halves not in (1, 2)):
         raise ValueError(f"{name}: block_n must be {FP8_BLOCK} (one weight block) and row_halves 1 or 2, got {tiles}")
     fixed = dict(block_m=WARP_SPECIALIZED_ROWS.block_m, num_warps=WARP_SPECIALIZED_ROWS.num_warps, row_halves=2,
                  tma=True)
     if tiles.warp_specialized and any(getattr(tiles, key) != value for key, value in fixed.items()):
         raise ValueError(f"{name}: the warp-specialized kernel takes {fixed} (only num_stages and group_m vary), "
                          f"got {tiles}")
-    if tiles.cuda_sm90 and tiles != dataclasses.replace(CUDA_TILES, num_stages=tiles.num_stages):
-        raise ValueError(f"{name}: the CUDA kernel takes {CUDA_TILES} but for num_stages, got {tiles}")
     if n % FP8_BLOCK or k % FP8_BLOCK:
         raise ValueError(f"{name}: N {n} and K {k} must be multiples of {FP8_BLOCK}")
 
@@ -320,6 +322,8 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
     _check_offsets(name, row_offsets, num_experts, rows.data.device)
     tiles = tiles or default_tiles(rows.data.device, DEFAULT_ROWS_TILES)
     _check_tiles(name, tiles, n, k)
+    if n % tiles.block_n:
+        raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n}")
     if tiles.cuda_sm90:
         _check_cuda_launch(name, tiles, grouped_gemm_sm90.ROWS, rows.data, weights.data)
     if tiles.warp_specialized and not rows.data.is_cuda:
@@ -330,7 +334,7 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
         return out
     if tiles.cuda_sm90:
         grouped_gemm_sm90.launch_rows(rows.data, rows.block_scales, weights.data, weights.block_scales, row_offsets,
-                                      _stored(out), _cuda_output_mode(name, out), tiles.num_stages)
+                                      _stored(out), _cuda_output_mode(name, out), tiles.num_stages, tiles.block_n)
         return out
     num_tiles_m = triton.cdiv(num_rows, tiles.block_m) + num_experts
     if tiles.warp_specialized:
@@ -394,7 +398,8 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     if tiles.cuda_sm90:
         mode = grouped_gemm_sm90.ACCUMULATE_FP32 if out is None else _cuda_output_mode(name, out)
         grouped_gemm_sm90.launch_wgrad(grad_cols.data, grad_cols.block_scales, input_cols.data,
-                                       input_cols.block_scales, offsets, target, mode, tiles.num_stages)
+                                       input_cols.block_scales, offsets, target, mode, tiles.num_stages,
+                                       tiles.block_n)
         return out
     _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
         _operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
@@ -410,7 +415,7 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
 
 def _check_cuda_launch(name: str, tiles: GemmTiles, gemm, *operands: torch.Tensor) -> None:
     """What the CUDA kernels need: its stage count, a GPU, FP8 operands that tensor maps can read."""
-    grouped_gemm_sm90.check_stages(name, gemm, tiles.num_stages)
+    grouped_gemm_sm90.check_tiles(name, gemm, tiles.num_stages, tiles.block_n)
     if not operands[0].is_cuda:
         raise RuntimeError(f"{name}: the CUDA kernel needs a GPU; pass tiles without cuda_sm90 on the CPU")
     for data in operands:

@@ -15,50 +15,56 @@ from ._cuda_runtime import SOURCES, CudaKernel, compile_cubin, tile_map
 THREADS = 3 * 128  # a producer warpgroup and two consumer warpgroups
 MAX_EXPERTS = 1024  # per-expert tables live in shared memory (common.cuh)
 SHARED_LIMIT = 227 * 1024  # what one block may ask for on Hopper
-_OPERAND_TILE = FP8_BLOCK * FP8_BLOCK
-_OUT_TILE = FP8_BLOCK * FP8_BLOCK * 2  # a BF16 output tile on its way out
 _ALIGNMENT = 1024  # the swizzled tiles start at 1024-byte boundaries
 # The kernels' OutputMode.
 STORE_BF16, STORE_FP32, ACCUMULATE_FP32 = 0, 1, 2
 
 
+BLOCK_NS = (128, 256)  # output columns of a tile: one or two wgmma accumulators per consumer
+
+
 @dataclass(frozen=True)
 class Sm90Gemm:
-    """One kernel: its source, name and shared memory (per pipeline stage, and the rest)."""
+    """One kernel: its source and name, and what its shared memory holds besides the operand tiles."""
 
     source: str
     name: str
-    stage_bytes: int
-    other_bytes: int
+    scales_in_stages: bool  # the weight gradient's stages also hold the step's row and column scales
+    tile_counts: bool  # the rows kernel keeps the experts' running row-tile counts
 
-    def shared_bytes(self, stages: int) -> int:
-        return stages * self.stage_bytes + self.other_bytes
+    def stage_bytes(self, block_n: int) -> int:
+        """A stage: the A tile (128 rows), the B tile (block_n rows), scales, two mbarriers."""
+        scales = (FP8_BLOCK + block_n) * 4 if self.scales_in_stages else 0
+        return FP8_BLOCK * FP8_BLOCK + block_n * FP8_BLOCK + scales + 16
 
-    @property
-    def stage_counts(self) -> range:
-        return range(2, (SHARED_LIMIT - self.other_bytes) // self.stage_bytes + 1)
+    def shared_bytes(self, stages: int, block_n: int) -> int:
+        """The stages, the BF16 output tile, the segment offsets [E + 1], the tile counts [E]."""
+        other = FP8_BLOCK * block_n * 2 + 8 * (MAX_EXPERTS + 1) + (4 * MAX_EXPERTS if self.tile_counts else 0)
+        return stages * self.stage_bytes(block_n) + other + _ALIGNMENT
 
-
-# Each stage: two FP8 tiles and two mbarriers; the weight gradient's also the step's two scale vectors.
-# Besides: the output tile, the segment offsets [E + 1] and (rows) the running tile counts [E].
-WGRAD = Sm90Gemm("grouped_wgrad.cu", "grouped_wgrad_sm90", 2 * _OPERAND_TILE + 2 * FP8_BLOCK * 4 + 16,
-                 _OUT_TILE + 8 * (MAX_EXPERTS + 1) + _ALIGNMENT)
-ROWS = Sm90Gemm("grouped_rows.cu", "grouped_rows_sm90", 2 * _OPERAND_TILE + 16,
-                _OUT_TILE + 8 * (MAX_EXPERTS + 1) + 4 * MAX_EXPERTS + _ALIGNMENT)
+    def stage_counts(self, block_n: int) -> range:
+        return range(2, (SHARED_LIMIT - self.shared_bytes(0, block_n)) // self.stage_bytes(block_n) + 1)
 
 
-def check_stages(name: str, gemm: Sm90Gemm, stages: int) -> None:
-    counts = gemm.stage_counts
+WGRAD = Sm90Gemm("grouped_wgrad.cu", "grouped_wgrad_sm90", scales_in_stages=True, tile_counts=False)
+ROWS = Sm90Gemm("grouped_rows.cu", "grouped_rows_sm90", scales_in_stages=False, tile_counts=True)
+
+
+def check_tiles(name: str, gemm: Sm90Gemm, stages: int, block_n: int) -> None:
+    if block_n not in BLOCK_NS:
+        raise ValueError(f"{name}: the CUDA kernel takes block_n {' or '.join(map(str, BLOCK_NS))}, got {block_n}")
+    counts = gemm.stage_counts(block_n)
     if stages not in counts:
-        raise ValueError(f"{name}: the CUDA kernel takes {counts.start} to {counts.stop - 1} stages "
-                         f"({gemm.stage_bytes} bytes of shared memory each), got {stages}")
+        raise ValueError(f"{name}: the CUDA kernel takes {counts.start} to {counts.stop - 1} stages at block_n "
+                         f"{block_n} ({gemm.stage_bytes(block_n)} bytes of shared memory each), got {stages}")
 
 
 @lru_cache(maxsize=None)
-def build(gemm: Sm90Gemm, stages: int):
-    """(the kernel, ptxas's report) at `stages` pipeline stages (compiled once per process)."""
-    cubin, report = compile_cubin(os.path.join(SOURCES, gemm.source), (("STAGES", stages),))
-    return CudaKernel(cubin, gemm.name, gemm.shared_bytes(stages)), report
+def build(gemm: Sm90Gemm, stages: int, block_n: int = FP8_BLOCK):
+    """(the kernel, ptxas's report) at `stages` pipeline stages and tiles of block_n columns (compiled
+    once per process)."""
+    cubin, report = compile_cubin(os.path.join(SOURCES, gemm.source), (("STAGES", stages), ("BLOCK_N", block_n)))
+    return CudaKernel(cubin, gemm.name, gemm.shared_bytes(stages, block_n)), report
 
 
 def _check_experts(name: str, num_experts: int, rows: int) -> None:
@@ -95,7 +101,7 @@ _int = ctypes.c_int32
 
 def launch_wgrad(grad_data: torch.Tensor, grad_scales: torch.Tensor, input_data: torch.Tensor,
                  input_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int,
-                 stages: int) -> None:
+                 stages: int, block_n: int) -> None:
     """dW_e = dY_e^T X_e for every expert into `target` ([E, N, K] BF16 as int16 or fp32, or with
     ACCUMULATE_FP32 the int64 address table of each expert's fp32 [N, K]); operands as grouped_wgrad's."""
     name = "grouped_wgrad"
@@ -104,10 +110,10 @@ def launch_wgrad(grad_data: torch.Tensor, grad_scales: torch.Tensor, input_data:
     _check_experts(name, num_experts, num_experts * n)
     _contiguous_scales(name, grad_scales, input_scales)
     grad_map = tile_map(grad_data, FP8_BLOCK, FP8_BLOCK)
-    kernel, _ = build(WGRAD, stages)
-    kernel.launch(grad_data.device, _grid(grad_data.device, num_experts * (n // FP8_BLOCK) * (k // FP8_BLOCK)),
+    kernel, _ = build(WGRAD, stages, block_n)
+    kernel.launch(grad_data.device, _grid(grad_data.device, num_experts * (n // FP8_BLOCK) * (k // block_n)),
                   THREADS, [
-                      grad_map, tile_map(input_data, FP8_BLOCK, FP8_BLOCK),
+                      grad_map, tile_map(input_data, block_n, FP8_BLOCK),
                       _out_map(target, num_experts * n, k, mode, grad_map),
                       _pointer(grad_scales.data_ptr()), _pointer(input_scales.data_ptr()),
                       _pointer(offsets.data_ptr()), _pointer(target.data_ptr()), _int(mode), _int(num_experts),
@@ -116,7 +122,7 @@ def launch_wgrad(grad_data: torch.Tensor, grad_scales: torch.Tensor, input_data:
 
 def launch_rows(rows_data: torch.Tensor, row_scales: torch.Tensor, weight_data: torch.Tensor,
                 weight_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int,
-                stages: int) -> None:
+                stages: int, block_n: int) -> None:
     """Y[rows of e] = X[rows of e] W_e^T into `target` ([M, N], BF16 as int16 or fp32); operands as
     grouped_gemm_by_weight's (weight_data [E, N, K])."""
     name = "grouped_gemm_by_weight"
@@ -125,10 +131,10 @@ def launch_rows(rows_data: torch.Tensor, row_scales: torch.Tensor, weight_data: 
     _check_experts(name, num_experts, num_experts * n)
     _contiguous_scales(name, row_scales, weight_scales)
     rows_map = tile_map(rows_data, FP8_BLOCK, FP8_BLOCK)
-    kernel, _ = build(ROWS, stages)
-    upper_bound_tiles = (-(-m // FP8_BLOCK) + num_experts) * (n // FP8_BLOCK)
+    kernel, _ = build(ROWS, stages, block_n)
+    upper_bound_tiles = (-(-m // FP8_BLOCK) + num_experts) * (n // block_n)
     kernel.launch(rows_data.device, _grid(rows_data.device, upper_bound_tiles), THREADS, [
-        rows_map, tile_map(weight_data.view(num_experts * n, k), FP8_BLOCK, FP8_BLOCK),
+        rows_map, tile_map(weight_data.view(num_experts * n, k), block_n, FP8_BLOCK),
         _out_map(target, m, n, mode, rows_map), _pointer(row_scales.data_ptr()),
         _pointer(weight_scales.data_ptr()), _pointer(offsets.data_ptr()), _pointer(target.data_ptr()), _int(mode),
         _int(num_experts), _int(m), _int(n), _int(k), _int(weight_scales.shape[2])])

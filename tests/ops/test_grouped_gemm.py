@@ -278,7 +278,7 @@ def test_warp_specialized_kernel_gives_the_triton_kernels_bits(experts, k, n, ou
 def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
     """The CUDA kernels' tiles are fixed but for their stages, and they need a GPU."""
     grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=24)
-    rows, weights = _rows_operand(8, 256, device, seed=25), _weights(2, 128, 256, device, seed=26)
+    rows, weights = _rows_operand(8, 256, device, seed=25), _weights(2, 256, 256, device, seed=26)
     offsets = _offsets([4, 4], device)
     gemms = {"wgrad": lambda tiles, *dtype: K.grouped_wgrad(grad_cols, x_cols, *dtype, tiles=tiles),
              "by_weight": lambda tiles, *dtype: K.grouped_gemm_by_weight(rows, weights, offsets, *dtype, tiles=tiles)}
@@ -287,14 +287,26 @@ def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
             with pytest.raises(ValueError, match="CUDA kernel takes"):
                 gemm(dataclasses.replace(CUDA_TILES, **changed))
         for stages in (1, 6):
-            with pytest.raises(ValueError, match="2 to 5 stages"):
+            with pytest.raises(ValueError, match="2 to 5 stages at block_n 128"):
                 gemm(dataclasses.replace(CUDA_TILES, num_stages=stages))
+        with pytest.raises(ValueError, match="2 to 3 stages at block_n 256"):
+            gemm(dataclasses.replace(CUDA_TILES, num_stages=4, block_n=256))
+        with pytest.raises(ValueError, match="block_n 128 or 256"):
+            gemm(dataclasses.replace(CUDA_TILES, block_n=64))
         if device.type == "cpu":
             with pytest.raises(RuntimeError, match="needs a GPU"):
                 gemm(CUDA_TILES)
         else:
             with pytest.raises(ValueError, match="writes BF16 or fp32"):
                 gemm(CUDA_TILES, torch.float16)
+
+
+def _cuda_tiles(columns: int):
+    """Every stage count of the CUDA kernels at both tile widths that divide the output's columns."""
+    from megatron_fp4.kernels import grouped_gemm_sm90 as sm90
+
+    return [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n) for block_n in sm90.BLOCK_NS
+            if columns % block_n == 0 for stages in sm90.ROWS.stage_counts(block_n)]
 
 
 @pytest.mark.gpu
@@ -309,9 +321,9 @@ def test_cuda_wgrad_gives_the_triton_kernels_bits(n, k, counts):
     grad_cols, x_cols = _cols_operands(counts, n, k, "cuda", seed=27)
     for out_dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
         expected = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=DEFAULT_WGRAD_TILES).view(bits)
-        for stages in range(2, 6):
-            ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=dataclasses.replace(CUDA_TILES, num_stages=stages))
-            assert torch.equal(ours.view(bits), expected), f"{out_dtype}, {stages} stages"
+        for tiles in _cuda_tiles(k):
+            ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=tiles)
+            assert torch.equal(ours.view(bits), expected), f"{out_dtype}, {tiles}"
     expected = [torch.full((n, k), 0.25, device="cuda") for _ in counts]
     ours = [b.clone() for b in expected]
     K.grouped_wgrad(grad_cols, x_cols, accumulate_into=expected, tiles=DEFAULT_WGRAD_TILES)
@@ -337,10 +349,9 @@ def test_cuda_rows_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype
     offsets = _offsets(counts, "cuda")
     expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=DEFAULT_ROWS_TILES)
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
-    for stages in range(2, 6):
-        ours = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype,
-                                        tiles=dataclasses.replace(CUDA_TILES, num_stages=stages))
-        assert torch.equal(ours.view(bits), expected.view(bits)), f"{stages} stages"
+    for tiles in _cuda_tiles(n):
+        ours = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=tiles)
+        assert torch.equal(ours.view(bits), expected.view(bits)), str(tiles)
     assert torch.isnan(expected[5]).all() and not torch.isnan(expected[7:]).any()
 
 

@@ -9,6 +9,9 @@ typedef unsigned long long u64;
 #ifndef STAGES
 #define STAGES 4
 #endif
+#ifndef BLOCK_N  // output columns of a tile: 128 or 256
+#define BLOCK_N 128
+#endif
 
 struct alignas(64) TensorMap { u64 opaque[16]; };  // a CUtensorMap, built by the host
 
@@ -16,12 +19,13 @@ constexpr int TILE = 128;                   // output rows and columns of a tile
 constexpr int OPERAND_BYTES = TILE * TILE;  // one FP8 operand tile
 constexpr int GROUP_M = 8;                  // row tiles side by side, so their column tiles are read from L2
 constexpr int CONSUMER_WARPS = 8;
-constexpr int OUT_HALF_BYTES = TILE * 128;  // a tile's 64 BF16 columns, 128-byte swizzled rows
-constexpr int OUT_TILE_BYTES = 2 * OUT_HALF_BYTES;
+// A tile's columns are multiplied 128 at a time (one wgmma accumulator of 64 registers per part): wider
+// tiles read fewer operand bytes per product from L2.
+constexpr int COLUMN_PARTS = BLOCK_N / TILE;
+constexpr int B_TILE_BYTES = BLOCK_N * TILE;  // the B operand's BLOCK_N rows of 128 bytes
+constexpr int OUT_BOX_BYTES = TILE * 128;     // 64 BF16 columns of a tile's 128 rows, 128-byte swizzled rows
+constexpr int OUT_TILE_BYTES = (BLOCK_N / 64) * OUT_BOX_BYTES;
 constexpr int MAX_EXPERTS = 1024;           // per-expert tables live in shared memory
-// Named barriers: 0 is __syncthreads, 1 + c consumer c's output staging, MAY_ISSUE + c "consumer c
-// may issue its next products".
-constexpr int MAY_ISSUE = 3;
 
 enum OutputMode { STORE_BF16 = 0, STORE_FP32 = 1, ACCUMULATE_FP32 = 2 };
 
@@ -51,13 +55,22 @@ __device__ __forceinline__ void barrier_expect_bytes(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// Named barriers of 256 threads, the two consumer warpgroups: one arrives, the other waits.
-__device__ __forceinline__ void named_barrier_sync(int id) {
-    asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
+// Named barriers of the consumer warpgroups, their ids immediate (a register would hold them): one
+// consumer's turn at the tensor cores (256 threads: one waits, the other arrives), and one consumer's
+// own staging of its output rows (128 threads).
+__device__ __forceinline__ void take_turn(int consumer) {
+    if (consumer == 0) asm volatile("bar.sync 3, 256;" ::: "memory");
+    else asm volatile("bar.sync 4, 256;" ::: "memory");
 }
 
-__device__ __forceinline__ void named_barrier_arrive(int id) {
-    asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
+__device__ __forceinline__ void pass_turn(int consumer) {  // to the other consumer
+    if (consumer == 0) asm volatile("bar.arrive 4, 256;" ::: "memory");
+    else asm volatile("bar.arrive 3, 256;" ::: "memory");
+}
+
+__device__ __forceinline__ void sync_own_warpgroup(int consumer) {
+    if (consumer == 0) asm volatile("bar.sync 1, 128;" ::: "memory");
+    else asm volatile("bar.sync 2, 128;" ::: "memory");
 }
 
 // A box of a tensor map at (column, row) into shared memory, completing on bar.
@@ -130,9 +143,10 @@ __device__ __forceinline__ u32 bf16x2_rounded(float low, float high) {
     return packed;
 }
 
-// The same half rounded to BF16 into shared memory, in the layout of the output map's boxes: two
-// halves of 64 columns, rows of 128 bytes whose 16-byte chunks are swizzled by row % 8 (so the 8 rows
-// a warp writes at once fall on different banks).
+// A consumer's 64 rows of one 128-column part (the wgmma accumulator's layout: thread (warp w, lane l)
+// holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1), j = 0..15) rounded to BF16 into shared
+// memory, in the layout of the output map's boxes: two boxes of 64 columns, rows of 128 bytes whose
+// 16-byte chunks are swizzled by row % 8 (so the 8 rows a warp writes at once fall on different banks).
 __device__ __forceinline__ void stage_bf16(const float (&acc)[64], unsigned char* out_tile, int first_row, int lane) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -140,7 +154,7 @@ __device__ __forceinline__ void stage_bf16(const float (&acc)[64], unsigned char
         for (int h = 0; h < 2; ++h) {
             const int row = first_row + lane / 4 + 8 * h;
             const int chunk = (j % 8) ^ (row % 8);
-            *reinterpret_cast<u32*>(out_tile + (j / 8) * OUT_HALF_BYTES + row * 128 + chunk * 16 + (lane % 4) * 4) =
+            *reinterpret_cast<u32*>(out_tile + (j / 8) * OUT_BOX_BYTES + row * 128 + chunk * 16 + (lane % 4) * 4) =
                 bf16x2_rounded(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         }
     }
@@ -162,47 +176,53 @@ __device__ __forceinline__ void init_ring(u32 full, u32 empty) {
 // scales while the other's products run. Consumer 0 goes first; after the last step, it takes
 // consumer 1's last hand-over so that no arrival is left pending.
 __device__ __forceinline__ void start_turns(int consumer) {
-    if (consumer == 1) named_barrier_arrive(MAY_ISSUE);
+    if (consumer == 1) pass_turn(consumer);
 }
 
 __device__ __forceinline__ void end_turns(int consumer) {
-    if (consumer == 0) named_barrier_sync(MAY_ISSUE);
+    if (consumer == 0) take_turn(consumer);
 }
 
-// One step of a consumer warpgroup, in its turn: product = its 64 rows of the stage's A tile times
-// the stage's B tile (K = 128 in four wgmma of 32), fp32; then the stage is released. The caller has
-// waited for the stage and scales the product.
-__device__ __forceinline__ void multiply_stage(float (&product)[64], u32 a_rows, u32 b_tile, int consumer, int lane,
-                                               u32 empty_bar) {
-    const u64 a = operand_descriptor(a_rows), b = operand_descriptor(b_tile);
-    named_barrier_sync(MAY_ISSUE + consumer);
+// In the consumer's turn: product = its 64 rows of the stage's A tile times one 128-row part of the
+// stage's B tile (K = 128 in four wgmma of 32), fp32. The caller has waited for the stage, scales the
+// product and releases the stage after its last use of it.
+__device__ __forceinline__ void multiply_part(float (&product)[64], u32 a_rows, u32 b_part, int consumer) {
+    const u64 a = operand_descriptor(a_rows), b = operand_descriptor(b_part);
+    take_turn(consumer);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int step = 0; step < TILE / 32; ++step) {  // 32 bytes of K each: 2 in the descriptor's units
         wgmma_64x128x32(product, a + 2 * step, b + 2 * step, step);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    named_barrier_arrive(MAY_ISSUE + 1 - consumer);
+    pass_turn(consumer);
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     keep_in_registers(product);
+}
+
+// The warp is done with a stage (its products and scale reads): one arrival of CONSUMER_WARPS.
+__device__ __forceinline__ void release_stage(int lane, u32 empty_bar) {
     __syncwarp();
     if (lane == 0) barrier_arrive(empty_bar);
 }
 
-// A consumer's 64 x 128 half of a BF16 tile out through shared memory and the output map (boxes of
-// 64 x 64) at (column, row): the consumer goes on while the copy runs, and waits for its previous copy
-// only before it overwrites that copy's rows. One thread of the warpgroup (`issues`) starts the copies.
-__device__ __forceinline__ void store_bf16_async(const float (&acc)[64], unsigned char* out_tile, u32 out_tile_at,
-                                                 const TensorMap* map, int consumer, int warp, int lane, bool issues,
-                                                 int column, int row) {
+// A consumer's 64 rows of a BF16 tile out through shared memory and the output map (boxes of 64 x 64)
+// at (column, row): the consumer goes on while the copies run, and waits for its previous copies only
+// before it overwrites their rows. One thread of the warpgroup (`issues`) starts the copies.
+__device__ __forceinline__ void store_bf16_async(const float (&acc)[COLUMN_PARTS][64], unsigned char* out_tile,
+                                                 u32 out_tile_at, const TensorMap* map, int consumer, int warp,
+                                                 int lane, bool issues, int column, int row) {
     if (issues) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
-    stage_bf16(acc, out_tile, consumer * 64 + warp * 16, lane);
+    sync_own_warpgroup(consumer);
+#pragma unroll
+    for (int part = 0; part < COLUMN_PARTS; ++part) {
+        stage_bf16(acc[part], out_tile + part * 2 * OUT_BOX_BYTES, consumer * 64 + warp * 16, lane);
+    }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the copy engine
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
+    sync_own_warpgroup(consumer);
     if (issues) {
-        for (int half = 0; half < 2; ++half) {
-            store_tile_async(map, out_tile_at + half * OUT_HALF_BYTES + consumer * 64 * 128, column + half * 64, row);
+        for (int box = 0; box < BLOCK_N / 64; ++box) {
+            store_tile_async(map, out_tile_at + box * OUT_BOX_BYTES + consumer * 64 * 128, column + box * 64, row);
         }
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }

@@ -17,7 +17,7 @@
 
 #include "common.cuh"
 
-constexpr int STEP_BYTES = 2 * OPERAND_BYTES;
+constexpr int STEP_BYTES = OPERAND_BYTES + B_TILE_BYTES;
 
 struct Tile {
     int expert, first_row, end_row, col_tile;  // end_row: the expert's end, at most M
@@ -58,7 +58,8 @@ __device__ __forceinline__ void count_tiles(const long long* segment, int num_ex
     }
 }
 
-// A consumer's 64 rows from registers, only those before end_row: rounded to BF16 or in fp32.
+// A consumer's 64 rows of a 128-column part from registers, only those before end_row: rounded to BF16
+// or in fp32.
 __device__ __forceinline__ void store_rows(const float (&acc)[64], void* out, int mode, int first_row, int end_row,
                                            int column, int lane, int n) {
 #pragma unroll
@@ -79,7 +80,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[64], void* out, in
 
 extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
     const __grid_constant__ TensorMap rows_map,    // X [M, K], boxes of [128 rows, 128 columns]
-    const __grid_constant__ TensorMap weight_map,  // W as [E * N, K], the same boxes
+    const __grid_constant__ TensorMap weight_map,  // W as [E * N, K], boxes of [BLOCK_N rows, 128 columns]
     const __grid_constant__ TensorMap out_map,     // STORE_BF16: Y [M, N], boxes of [64, 64]
     const float* row_scales,                       // [K / 128, M]
     const float* weight_scales,                    // [E, N / 128, weight_scale_stride]
@@ -90,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
     unsigned char* shared;
     const u32 base = aligned_shared_base(shared_raw, &shared);
     const u32 a_tiles = base, b_tiles = base + STAGES * OPERAND_BYTES;
-    const u32 out_tile_at = base + 2 * STAGES * OPERAND_BYTES;
+    const u32 out_tile_at = b_tiles + STAGES * B_TILE_BYTES;
     const u32 offsets_at = out_tile_at + OUT_TILE_BYTES;
     const u32 tile_ends_at = offsets_at + 8 * (MAX_EXPERTS + 1);
     const u32 full = tile_ends_at + 4 * MAX_EXPERTS;
@@ -106,69 +107,95 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
     if (threadIdx.x == 0) init_ring(full, empty);
     __syncthreads();
 
-    const int row_tiles = tile_ends[num_experts - 1], col_tiles = n / TILE, k_steps = k / TILE;
+    const int row_tiles = tile_ends[num_experts - 1], col_tiles = n / BLOCK_N, k_steps = k / TILE;
     const int num_tiles = row_tiles * col_tiles;
     Ring ring;
-    if (warpgroup == 0) {  // the producer: one thread issues every copy
+    if (warpgroup == 0) {  // the producer
+        // Each role is one branch of this if / else, so that ptxas gives each its register budget.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (threadIdx.x != 0) return;
+        if (threadIdx.x == 0) {  // one thread issues every copy
+            for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+                const Tile tile = tile_at(t, row_tiles, col_tiles, tile_ends, segment, num_experts, m);
+                const int weight_row = tile.expert * n + tile.col_tile * BLOCK_N;
+                for (int step = 0; step < k_steps; ++step) {
+                    barrier_wait(empty + 8 * ring.stage, ring.parity ^ 1);
+                    const u32 bar = full + 8 * ring.stage;
+                    barrier_expect_bytes(bar, STEP_BYTES);
+                    load_tile(a_tiles + ring.stage * OPERAND_BYTES, &rows_map, step * TILE, tile.first_row, bar);
+                    load_tile(b_tiles + ring.stage * B_TILE_BYTES, &weight_map, step * TILE, weight_row, bar);
+                    ring.advance();
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int consumer = warpgroup - 1;  // its 64 rows of each tile
+        const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+        const bool issues_stores = threadIdx.x % 128 == 0;  // the warpgroup's thread that starts its copies out
+        start_turns(consumer);
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const Tile tile = tile_at(t, row_tiles, col_tiles, tile_ends, segment, num_experts, m);
-            const int weight_row = tile.expert * n + tile.col_tile * TILE;
+            const int my_first_row = tile.first_row + consumer * 64 + warp * 16;
+            // This thread's two rows' scales (clamped to the last row: the rows past M are never stored)
+            // and the weight blocks' of the tile's parts, walked a step at a time, each loaded a step before
+            // its use.
+            const float* my_scales[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) my_scales[h] = row_scales + min(my_first_row + lane / 4 + 8 * h, m - 1);
+            const float* weight_scale =
+                weight_scales + ((u64)tile.expert * (n / TILE) + tile.col_tile * COLUMN_PARTS) * weight_scale_stride;
+            float next_row_scale[2] = {my_scales[0][0], my_scales[1][0]}, next_weight_scale[COLUMN_PARTS];
+#pragma unroll
+            for (int part = 0; part < COLUMN_PARTS; ++part) next_weight_scale[part] = weight_scale[part * weight_scale_stride];
+            float acc[COLUMN_PARTS][64], product[64];
+#pragma unroll
+            for (int part = 0; part < COLUMN_PARTS; ++part) {
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[part][i] = 0.0f;
+            }
             for (int step = 0; step < k_steps; ++step) {
-                barrier_wait(empty + 8 * ring.stage, ring.parity ^ 1);
-                const u32 bar = full + 8 * ring.stage;
-                barrier_expect_bytes(bar, STEP_BYTES);
-                load_tile(a_tiles + ring.stage * OPERAND_BYTES, &rows_map, step * TILE, tile.first_row, bar);
-                load_tile(b_tiles + ring.stage * OPERAND_BYTES, &weight_map, step * TILE, weight_row, bar);
+                float scale[COLUMN_PARTS][2];
+#pragma unroll
+                for (int part = 0; part < COLUMN_PARTS; ++part) {
+                    scale[part][0] = next_row_scale[0] * next_weight_scale[part];
+                    scale[part][1] = next_row_scale[1] * next_weight_scale[part];
+                }
+                const int ahead = min(step + 1, k_steps - 1);
+                next_row_scale[0] = my_scales[0][(u64)ahead * m];
+                next_row_scale[1] = my_scales[1][(u64)ahead * m];
+#pragma unroll
+                for (int part = 0; part < COLUMN_PARTS; ++part) {
+                    next_weight_scale[part] = weight_scale[part * weight_scale_stride + ahead];
+                }
+                barrier_wait(full + 8 * ring.stage, ring.parity);
+#pragma unroll
+                for (int part = 0; part < COLUMN_PARTS; ++part) {
+                    multiply_part(product, a_tiles + ring.stage * OPERAND_BYTES + consumer * 64 * TILE,
+                                  b_tiles + ring.stage * B_TILE_BYTES + part * OPERAND_BYTES, consumer);
+                    if (part == COLUMN_PARTS - 1) release_stage(lane, empty + 8 * ring.stage);
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            acc[part][4 * j + i] = fmaf(product[4 * j + i], scale[part][i / 2], acc[part][4 * j + i]);
+                        }
+                    }
+                }
                 ring.advance();
             }
-        }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    const int consumer = warpgroup - 1;  // its 64 rows of each tile
-    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    const bool issues_stores = threadIdx.x % 128 == 0;  // the warpgroup's thread that starts its copies out
-    start_turns(consumer);
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const Tile tile = tile_at(t, row_tiles, col_tiles, tile_ends, segment, num_experts, m);
-        const int my_first_row = tile.first_row + consumer * 64 + warp * 16;
-        // This thread's two rows' scales (clamped to the last row: the rows past M are never stored)
-        // and the weight block's, walked a step at a time, each loaded a step before its use.
-        const float* my_scales[2];
+            const int half_first_row = tile.first_row + consumer * 64;
+            if (mode == STORE_BF16 && half_first_row + 64 <= tile.end_row) {
+                store_bf16_async(acc, out_tile, out_tile_at, &out_map, consumer, warp, lane, issues_stores,
+                                 tile.col_tile * BLOCK_N, half_first_row);
+            } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) my_scales[h] = row_scales + min(my_first_row + lane / 4 + 8 * h, m - 1);
-        const float* weight_scale = weight_scales + ((u64)tile.expert * col_tiles + tile.col_tile) * weight_scale_stride;
-        float next_row_scale[2] = {my_scales[0][0], my_scales[1][0]}, next_weight_scale = weight_scale[0];
-        float acc[64], product[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-        for (int step = 0; step < k_steps; ++step) {
-            const float scale[2] = {next_row_scale[0] * next_weight_scale, next_row_scale[1] * next_weight_scale};
-            const int ahead = min(step + 1, k_steps - 1);
-            next_row_scale[0] = my_scales[0][(u64)ahead * m];
-            next_row_scale[1] = my_scales[1][(u64)ahead * m];
-            next_weight_scale = weight_scale[ahead];
-            barrier_wait(full + 8 * ring.stage, ring.parity);
-            multiply_stage(product, a_tiles + ring.stage * OPERAND_BYTES + consumer * 64 * TILE,
-                           b_tiles + ring.stage * OPERAND_BYTES, consumer, lane, empty + 8 * ring.stage);
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[4 * j + i] = fmaf(product[4 * j + i], scale[i / 2], acc[4 * j + i]);
+                for (int part = 0; part < COLUMN_PARTS; ++part) {
+                    store_rows(acc[part], out, mode, my_first_row, tile.end_row, tile.col_tile * BLOCK_N + part * TILE,
+                               lane, n);
+                }
             }
-            ring.advance();
         }
-        const int half_first_row = tile.first_row + consumer * 64;
-        if (mode == STORE_BF16 && half_first_row + 64 <= tile.end_row) {
-            store_bf16_async(acc, out_tile, out_tile_at, &out_map, consumer, warp, lane, issues_stores,
-                             tile.col_tile * TILE, half_first_row);
-        } else {
-            store_rows(acc, out, mode, my_first_row, tile.end_row, tile.col_tile * TILE, lane, n);
-        }
+        end_turns(consumer);
+        finish_stores(issues_stores);
     }
-    end_turns(consumer);
-    finish_stores(issues_stores);
 }

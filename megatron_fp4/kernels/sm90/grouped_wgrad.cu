@@ -16,14 +16,16 @@
 
 #include "common.cuh"
 
-constexpr int SCALE_BYTES = TILE * 4;  // one step's fp32 scales of one operand
-constexpr int STEP_BYTES = 2 * OPERAND_BYTES + 2 * SCALE_BYTES;  // what one stage receives
+constexpr int A_SCALE_BYTES = TILE * 4;     // one step's fp32 scales of the tile's rows
+constexpr int B_SCALE_BYTES = BLOCK_N * 4;  // and of its columns
+constexpr int STEP_BYTES = OPERAND_BYTES + B_TILE_BYTES + A_SCALE_BYTES + B_SCALE_BYTES;  // what one stage receives
 
 struct Tile {
     int expert, row_tile, col_tile;
 };
 
-// Tile t of the flat order: experts one after another; within one, GROUP_M row tiles side by side.
+// Tile t of the flat order (tiles of 128 rows and BLOCK_N columns): experts one after another; within
+// one, GROUP_M row tiles side by side.
 __device__ __forceinline__ Tile tile_at(int t, int row_tiles, int col_tiles) {
     const int per_expert = row_tiles * col_tiles;
     const int local = t % per_expert;
@@ -34,13 +36,12 @@ __device__ __forceinline__ Tile tile_at(int t, int row_tiles, int col_tiles) {
     return Tile{t / per_expert, first_row_tile + in_group % group_size, in_group / group_size};
 }
 
-// One consumer warpgroup's 64 x 128 half of a tile in fp32, written or added from registers: thread
-// (warp w, lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1), j = 0..15, the wgmma
-// accumulator's layout.
-__device__ __forceinline__ void store_fp32(const float (&acc)[64], void* out, int mode, Tile tile, int first_row,
-                                           int lane, int n, int k) {
+// One consumer warpgroup's 64 rows of a 128-column part of a tile in fp32, written or added from
+// registers (the wgmma accumulator's layout, common.cuh's stage_bf16).
+__device__ __forceinline__ void store_fp32(const float (&acc)[64], void* out, int mode, Tile tile, int part,
+                                           int first_row, int lane, int n, int k) {
     const u64 row0 = (u64)tile.row_tile * TILE + first_row + lane / 4;
-    const u64 col0 = (u64)tile.col_tile * TILE + 2 * (lane % 4);
+    const u64 col0 = (u64)tile.col_tile * BLOCK_N + part * TILE + 2 * (lane % 4);
     float* const dst = mode == ACCUMULATE_FP32
                            ? reinterpret_cast<float*>(reinterpret_cast<const long long*>(out)[tile.expert])
                            : reinterpret_cast<float*>(out) + (u64)tile.expert * n * k;
@@ -59,9 +60,15 @@ __device__ __forceinline__ void store_fp32(const float (&acc)[64], void* out, in
     }
 }
 
+// The column scales of this thread's columns 8j + 2(lane % 4) (+1) of a 128-column part.
+__device__ __forceinline__ void read_column_scales(float2 (&col_scale)[16], const float* part_scales, int lane) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) col_scale[j] = reinterpret_cast<const float2*>(part_scales)[4 * j + lane % 4];
+}
+
 extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
     const __grid_constant__ TensorMap grad_map,   // dY^T [N, capacity], boxes of [128 rows, 128 tokens]
-    const __grid_constant__ TensorMap input_map,  // X^T [K, capacity], the same boxes
+    const __grid_constant__ TensorMap input_map,  // X^T [K, capacity], boxes of [BLOCK_N rows, 128 tokens]
     const __grid_constant__ TensorMap out_map,    // STORE_BF16: the output as [E * N, K], boxes of [64, 64]
     const float* grad_scales,                     // [capacity / 128, N]
     const float* input_scales,                    // [capacity / 128, K]
@@ -72,13 +79,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
     unsigned char* shared;
     const u32 base = aligned_shared_base(shared_raw, &shared);
     const u32 a_tiles = base, b_tiles = base + STAGES * OPERAND_BYTES;
-    const u32 a_scales_at = base + 2 * STAGES * OPERAND_BYTES;
-    const u32 b_scales_at = a_scales_at + STAGES * SCALE_BYTES;
-    const u32 out_tile_at = b_scales_at + STAGES * SCALE_BYTES;  // 1024-aligned: STAGES * 1024 bytes of scales
-    const u32 offsets_at = out_tile_at + OUT_TILE_BYTES;
+    const u32 out_tile_at = b_tiles + STAGES * B_TILE_BYTES;
+    const u32 a_scales_at = out_tile_at + OUT_TILE_BYTES;
+    const u32 b_scales_at = a_scales_at + STAGES * A_SCALE_BYTES;
+    const u32 offsets_at = b_scales_at + STAGES * B_SCALE_BYTES;
     const u32 full = offsets_at + 8 * (MAX_EXPERTS + 1);
     const u32 empty = full + STAGES * 8;
-    const float* const scales = reinterpret_cast<const float*>(shared + (a_scales_at - base));
+    const float* const row_scales_at = reinterpret_cast<const float*>(shared + (a_scales_at - base));
+    const float* const col_scales_at = reinterpret_cast<const float*>(shared + (b_scales_at - base));
     unsigned char* const out_tile = shared + (out_tile_at - base);
     long long* const segment = reinterpret_cast<long long*>(shared + (offsets_at - base));
 
@@ -87,73 +95,86 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
     if (threadIdx.x == 0) init_ring(full, empty);
     __syncthreads();
 
-    const int row_tiles = n / TILE, col_tiles = k / TILE;
+    const int row_tiles = n / TILE, col_tiles = k / BLOCK_N;
     const int num_tiles = num_experts * row_tiles * col_tiles;
     Ring ring;
-    if (warpgroup == 0) {  // the producer: one thread issues every copy
+    if (warpgroup == 0) {  // the producer
+        // Each role is one branch of this if / else, so that ptxas gives each its register budget.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (threadIdx.x != 0) return;
+        if (threadIdx.x == 0) {  // one thread issues every copy
+            for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+                const Tile tile = tile_at(t, row_tiles, col_tiles);
+                const int first = (int)segment[tile.expert], end = (int)segment[tile.expert + 1];
+                for (int token = first; token < end; token += TILE) {
+                    barrier_wait(empty + 8 * ring.stage, ring.parity ^ 1);
+                    const u32 bar = full + 8 * ring.stage;
+                    barrier_expect_bytes(bar, STEP_BYTES);
+                    load_tile(a_tiles + ring.stage * OPERAND_BYTES, &grad_map, token, tile.row_tile * TILE, bar);
+                    load_tile(b_tiles + ring.stage * B_TILE_BYTES, &input_map, token, tile.col_tile * BLOCK_N, bar);
+                    const u64 block = token / TILE;
+                    load_bytes(a_scales_at + ring.stage * A_SCALE_BYTES, grad_scales + block * n + tile.row_tile * TILE,
+                               A_SCALE_BYTES, bar);
+                    load_bytes(b_scales_at + ring.stage * B_SCALE_BYTES, input_scales + block * k + tile.col_tile * BLOCK_N,
+                               B_SCALE_BYTES, bar);
+                    ring.advance();
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int consumer = warpgroup - 1;  // its 64 rows of each tile
+        const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+        const int my_row = consumer * 64 + warp * 16 + lane / 4;  // and my_row + 8
+        const bool issues_stores = threadIdx.x % 128 == 0;  // the warpgroup's thread that starts its copies out
+        start_turns(consumer);
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const Tile tile = tile_at(t, row_tiles, col_tiles);
             const int first = (int)segment[tile.expert], end = (int)segment[tile.expert + 1];
+            float acc[COLUMN_PARTS][64], product[64];
+#pragma unroll
+            for (int part = 0; part < COLUMN_PARTS; ++part) {
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[part][i] = 0.0f;
+            }
             for (int token = first; token < end; token += TILE) {
-                barrier_wait(empty + 8 * ring.stage, ring.parity ^ 1);
-                const u32 bar = full + 8 * ring.stage;
-                barrier_expect_bytes(bar, STEP_BYTES);
-                load_tile(a_tiles + ring.stage * OPERAND_BYTES, &grad_map, token, tile.row_tile * TILE, bar);
-                load_tile(b_tiles + ring.stage * OPERAND_BYTES, &input_map, token, tile.col_tile * TILE, bar);
-                const u64 block = token / TILE;
-                load_bytes(a_scales_at + ring.stage * SCALE_BYTES, grad_scales + block * n + tile.row_tile * TILE,
-                           SCALE_BYTES, bar);
-                load_bytes(b_scales_at + ring.stage * SCALE_BYTES, input_scales + block * k + tile.col_tile * TILE,
-                           SCALE_BYTES, bar);
+                barrier_wait(full + 8 * ring.stage, ring.parity);
+                const float* a_scale = row_scales_at + ring.stage * TILE;
+                const float* b_scale = col_scales_at + ring.stage * BLOCK_N;
+                const float row_scale[2] = {a_scale[my_row], a_scale[my_row + 8]};
+                // The first part's column scales are read before its products (off the path from product to
+                // sum); a later part's after, so that only one part's are held at a time.
+                float2 col_scale[16];
+                read_column_scales(col_scale, b_scale, lane);
+#pragma unroll
+                for (int part = 0; part < COLUMN_PARTS; ++part) {
+                    multiply_part(product, a_tiles + ring.stage * OPERAND_BYTES + consumer * 64 * TILE,
+                                  b_tiles + ring.stage * B_TILE_BYTES + part * OPERAND_BYTES, consumer);
+                    if (part > 0) read_column_scales(col_scale, b_scale + part * TILE, lane);
+                    if (part == COLUMN_PARTS - 1) release_stage(lane, empty + 8 * ring.stage);
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            float* sum = &acc[part][4 * j + 2 * h];
+                            sum[0] = fmaf(product[4 * j + 2 * h], row_scale[h] * col_scale[j].x, sum[0]);
+                            sum[1] = fmaf(product[4 * j + 2 * h + 1], row_scale[h] * col_scale[j].y, sum[1]);
+                        }
+                    }
+                }
                 ring.advance();
             }
-        }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    const int consumer = warpgroup - 1;  // its 64 rows of each tile
-    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    const int my_row = consumer * 64 + warp * 16 + lane / 4;  // and my_row + 8
-    const bool issues_stores = threadIdx.x % 128 == 0;  // the warpgroup's thread that starts its copies out
-    start_turns(consumer);
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const Tile tile = tile_at(t, row_tiles, col_tiles);
-        const int first = (int)segment[tile.expert], end = (int)segment[tile.expert + 1];
-        float acc[64], product[64];
+            if (mode == ACCUMULATE_FP32 && first == end) continue;  // nothing to add
+            if (mode == STORE_BF16) {
+                store_bf16_async(acc, out_tile, out_tile_at, &out_map, consumer, warp, lane, issues_stores,
+                                 tile.col_tile * BLOCK_N, tile.expert * n + tile.row_tile * TILE + consumer * 64);
+            } else {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-        for (int token = first; token < end; token += TILE) {
-            barrier_wait(full + 8 * ring.stage, ring.parity);
-            const float* a_scale = scales + ring.stage * TILE;
-            const float* b_scale = scales + STAGES * TILE + ring.stage * TILE;
-            const float row_scale[2] = {a_scale[my_row], a_scale[my_row + 8]};
-            float2 col_scale[16];
-#pragma unroll
-            for (int j = 0; j < 16; ++j) col_scale[j] = reinterpret_cast<const float2*>(b_scale)[4 * j + lane % 4];
-            multiply_stage(product, a_tiles + ring.stage * OPERAND_BYTES + consumer * 64 * TILE,
-                           b_tiles + ring.stage * OPERAND_BYTES, consumer, lane, empty + 8 * ring.stage);
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    acc[4 * j + 2 * h] = fmaf(product[4 * j + 2 * h], row_scale[h] * col_scale[j].x, acc[4 * j + 2 * h]);
-                    acc[4 * j + 2 * h + 1] =
-                        fmaf(product[4 * j + 2 * h + 1], row_scale[h] * col_scale[j].y, acc[4 * j + 2 * h + 1]);
+                for (int part = 0; part < COLUMN_PARTS; ++part) {
+                    store_fp32(acc[part], out, mode, tile, part, consumer * 64 + warp * 16, lane, n, k);
                 }
             }
-            ring.advance();
         }
-        if (mode == ACCUMULATE_FP32 && first == end) continue;  // nothing to add
-        if (mode == STORE_BF16) {
-            store_bf16_async(acc, out_tile, out_tile_at, &out_map, consumer, warp, lane, issues_stores,
-                             tile.col_tile * TILE, tile.expert * n + tile.row_tile * TILE + consumer * 64);
-        } else {
-            store_fp32(acc, out, mode, tile, consumer * 64 + warp * 16, lane, n, k);
-        }
+        end_turns(consumer);
+        finish_stores(issues_stores);
     }
-    end_turns(consumer);
-    finish_stores(issues_stores);
 }
