@@ -218,13 +218,13 @@ def main(argv=None) -> int:
             for r in ("dense_scaled_mm", "grouped_mm_bf16", "per_expert_scaled_mm")) + f" | {tiles} |")
 
     gpu = torch.device("cuda")
-    rows_sweep = [default_tiles(gpu, DEFAULT_ROWS_TILES)] if args.no_sweep else ROWS_SWEEP
     wgrad_sweep = [default_tiles(gpu, DEFAULT_WGRAD_TILES)] if args.no_sweep else WGRAD_SWEEP
     for experts in args.experts:
         counts = ragged_counts(ROUTED_ROWS, experts, seed=experts)
         print(f"E={experts}: counts {counts.tolist()}")
         for name, (n, k) in ROWS_GEMMS.items():
             if name in args.gemms:
+                rows_sweep = [default_tiles(gpu, DEFAULT_ROWS_TILES, n)] if args.no_sweep else ROWS_SWEEP
                 rows_gemm_case(name, counts, n, k, rows_sweep, args.iters, record)
         for name, (n, k) in WGRAD_GEMMS.items():
             if name in args.gemms:

@@ -62,7 +62,7 @@ class GemmTiles:
     warp_specialized: bool = False
     # SM90 GPUs only: the CUDA C++ kernels of grouped_gemm_sm90 (persistent, a producer warpgroup and
     # two consumer warpgroups taking turns at the tensor cores), the same sums. Their tiles are fixed
-    # (CUDA_TILES below) but for num_stages. The default on SM90 GPUs.
+    # (CUDA_TILES below) but for num_stages and block_n (128 or 256). The default on SM90 GPUs.
     cuda_sm90: bool = False
 
 
@@ -82,17 +82,26 @@ DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages
 # Five stages of 32 KB: one program per SM (its three partitions share it).
 WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=5, row_halves=2, tma=True,
                                   warp_specialized=True)
-# 128 x 128 tiles, three warpgroups, four stages of 32-33 KB: one CTA per SM. On H200 (commit 2fef8e5, rows
-# in benchmarks/results/grouped_gemm.jsonl) the weight gradients ran at 789-925 TFLOP/s at 3, 4 or 5
-# stages, against 582-807 for the Triton kernel; the stage counts differed by a few percent, in no
-# consistent order.
-CUDA_TILES = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=4, tma=True, cuda_sm90=True)
+# The CUDA kernels: 128 rows, three warpgroups, one CTA per SM; 128 or 256 columns. On H200 (sweeps of
+# 6fc7393 and ffc8def, rows in benchmarks/results/grouped_gemm.jsonl) three stages of 128 columns were the
+# fastest or within a few percent of it for the weight gradients and for the forward / data gradients
+# with N = 2048 (fc2's data gradient); tiles of 256 columns on two stages (half the bytes from L2 per
+# B operand product) were 1-7% faster where N >= 4096 (fc1's forward and data gradient, fc2's forward
+# at 32 experts) and 2-4% slower at N = 2048; for the weight gradient they lose 20-25% (ptxas spills
+# inside the K loop: its per-column scales need registers the 256 columns take).
+CUDA_TILES = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=3, tma=True, cuda_sm90=True)
+CUDA_WIDE_TILES = dataclasses.replace(CUDA_TILES, block_n=256, num_stages=2)
+WIDE_FROM_N = 4096
 
 
-def default_tiles(device: torch.device, triton_tiles: GemmTiles) -> GemmTiles:
+def default_tiles(device: torch.device, triton_tiles: GemmTiles, n: Optional[int] = None) -> GemmTiles:
     """The CUDA kernels on an SM90 GPU (they are sm_90a machine code), else the Triton kernel's tiles
-    (other GPUs, and the CPU interpreter)."""
-    return CUDA_TILES if device.type == "cuda" and _capability(device) == (9, 0) else triton_tiles
+    (other GPUs, and the CPU interpreter). n: a forward / data gradient's output columns (the CUDA
+    tiles are 256 wide from WIDE_FROM_N on); None for the weight gradient."""
+    if device.type != "cuda" or _capability(device) != (9, 0):
+        return triton_tiles
+    wide = n is not None and n >= WIDE_FROM_N and n % CUDA_WIDE_TILES.block_n == 0
+    return CUDA_WIDE_TILES if wide else CUDA_TILES
 
 
 @lru_cache(maxsize=None)
@@ -308,7 +317,7 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
                            out_dtype=torch.bfloat16, tiles: Optional[GemmTiles] = None) -> torch.Tensor:
     """[M, N]: rows [row_offsets[e], row_offsets[e + 1]) of `rows` (1x128, [M, K]) times weights[e]^T
     (128x128, [N, K]) for every expert e. row_offsets: int64 [E + 1] on the rows' device, from 0 to M.
-    tiles: default_tiles(device, DEFAULT_ROWS_TILES) when None."""
+    tiles: default_tiles(device, DEFAULT_ROWS_TILES, N) when None."""
     name = "grouped_gemm_by_weight"
     if not isinstance(rows, FP8BlockTensor) or rows.layout != ROWWISE:
         raise TypeError(f"{name}: expected a rowwise FP8BlockTensor")
@@ -320,7 +329,7 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
     if weight_k != k:
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
     _check_offsets(name, row_offsets, num_experts, rows.data.device)
-    tiles = tiles or default_tiles(rows.data.device, DEFAULT_ROWS_TILES)
+    tiles = tiles or default_tiles(rows.data.device, DEFAULT_ROWS_TILES, n)
     _check_tiles(name, tiles, n, k)
     if n % tiles.block_n:
         raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n}")

@@ -357,8 +357,12 @@ def test_cuda_rows_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype
 
 @pytest.mark.gpu
 def test_the_cuda_kernels_are_the_default_on_sm90():
-    from megatron_fp4.kernels.grouped_fp8_gemm import default_tiles
+    from megatron_fp4.kernels.grouped_fp8_gemm import CUDA_WIDE_TILES, default_tiles
 
-    expected = CUDA_TILES if torch.cuda.get_device_capability() == (9, 0) else DEFAULT_ROWS_TILES
-    assert default_tiles(torch.device("cuda"), DEFAULT_ROWS_TILES) == expected
-    assert default_tiles(torch.device("cpu"), DEFAULT_ROWS_TILES) == DEFAULT_ROWS_TILES
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    gpu = torch.device("cuda")
+    assert default_tiles(gpu, DEFAULT_WGRAD_TILES) == (CUDA_TILES if sm90 else DEFAULT_WGRAD_TILES)
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 2048) == (CUDA_TILES if sm90 else DEFAULT_ROWS_TILES)
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4096) == (CUDA_WIDE_TILES if sm90 else DEFAULT_ROWS_TILES)
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4224) == (CUDA_TILES if sm90 else DEFAULT_ROWS_TILES)  # not 256s
+    assert default_tiles(torch.device("cpu"), DEFAULT_ROWS_TILES, 4096) == DEFAULT_ROWS_TILES
