@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from .. import kernels as K
-from ..kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS
+from ..kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS, GemmTiles
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..telemetry import Telemetry
 from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
@@ -84,8 +84,8 @@ def weight_gradients(params, grad_cols, input_cols, dtype, call: ExpertsCall) ->
 
 def _wgrad(call: ExpertsCall, grad_cols, input_cols, dtype, accumulate_into):
     if call.gemms is not ExpertGemms.PER_EXPERT:
-        tiles = None if call.gemms is ExpertGemms.GROUPED else DEFAULT_WGRAD_TILES
-        return K.grouped_wgrad(grad_cols, input_cols, dtype, accumulate_into=accumulate_into, tiles=tiles)
+        return K.grouped_wgrad(grad_cols, input_cols, dtype, accumulate_into=accumulate_into,
+                               tiles=_grouped_tiles(call.gemms, DEFAULT_WGRAD_TILES))
     return per_expert_wgrad(call.segments, grad_cols, input_cols, dtype, accumulate_into)
 
 
@@ -207,9 +207,20 @@ def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) 
     """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks)."""
     if call.gemms is ExpertGemms.PER_EXPERT:
         return per_expert_products(call.segments, rows, weights, dtype)
-    tiles = {ExpertGemms.GROUPED: None, ExpertGemms.GROUPED_TRITON: DEFAULT_ROWS_TILES,
-             ExpertGemms.GROUPED_WARP_SPECIALIZED: WARP_SPECIALIZED_ROWS}[call.gemms]
-    return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype, tiles=tiles)
+    return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype,
+                                    tiles=_grouped_tiles(call.gemms, DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS))
+
+
+def _grouped_tiles(gemms: ExpertGemms, triton_tiles: GemmTiles,
+                   warp_specialized: Optional[GemmTiles] = None) -> Optional[GemmTiles]:
+    """A grouped GEMM's tiles under `gemms`: None (the device's default, the CUDA kernels on SM90) for
+    GROUPED; the Gluon kernel's where the GEMM has one under GROUPED_WARP_SPECIALIZED; else the Triton
+    kernel's."""
+    if gemms is ExpertGemms.GROUPED:
+        return None
+    if gemms is ExpertGemms.GROUPED_WARP_SPECIALIZED and warp_specialized is not None:
+        return warp_specialized
+    return triton_tiles
 
 
 def _linear_backward(call: ExpertsCall, name: str, grad: torch.Tensor, input_cols, weights, wgrads):

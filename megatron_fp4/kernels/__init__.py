@@ -1,4 +1,5 @@
-"""Triton kernels, one file per operation, each behind a validating Python entry point."""
+"""Triton kernels, one file per operation, each behind a validating Python entry point; the grouped
+FP8 GEMMs also in CUDA C++ for SM90 GPUs (sm90/, grouped_gemm_sm90.py)."""
 
 from ._checks import TileConfig
 from .fp8_dequantize import dequantize_fp8

@@ -7,7 +7,9 @@ import ctypes
 import glob
 import os
 import sys
+import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Dict, Sequence, Tuple
 
@@ -31,7 +33,8 @@ def _find_library(patterns: Sequence[str]) -> str:
             if found:
                 return found[-1]
     raise RuntimeError(f"no CUDA library matching {list(patterns)} in {folders}: install torch's CUDA build "
-                       "(it brings NVRTC) or set CUDA_HOME")
+                       "(it brings NVRTC) or set CUDA_HOME, or run the grouped GEMMs' Triton kernels (GemmTiles "
+                       "without cuda_sm90; ExpertGemms.GROUPED_TRITON for the experts)")
 
 
 @lru_cache(maxsize=None)
@@ -101,38 +104,68 @@ _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 
 
+@lru_cache(maxsize=None)
+def _primary_context(index: int) -> int:
+    """The primary context of CUDA device `index`: the one torch's runtime uses."""
+    lib = _driver()
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _check_driver(lib.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
+    _check_driver(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+    return context.value
+
+
+@contextmanager
+def _current_context(index: int):
+    """Device `index`'s primary context current on this thread for the driver calls inside, the previous
+    one put back after. A thread can have none, or another device's: torch's device guard does not bind
+    a context where the device already matches, and autograd's device threads start with none."""
+    lib = _driver()
+    previous = ctypes.c_void_p()
+    _check_driver(lib.cuCtxGetCurrent(ctypes.byref(previous)), "cuCtxGetCurrent")
+    wanted = _primary_context(index)
+    if previous.value == wanted:
+        yield
+        return
+    _check_driver(lib.cuCtxSetCurrent(ctypes.c_void_p(wanted)), "cuCtxSetCurrent")
+    try:
+        yield
+    finally:
+        if previous.value:
+            lib.cuCtxSetCurrent(previous)
+
+
 class CudaKernel:
-    """One kernel of a compiled cubin, loaded into each device's current (torch's primary) context at
-    its first launch there."""
+    """One kernel of a compiled cubin, loaded into each device's primary context at its first launch
+    there."""
 
     def __init__(self, cubin: bytes, name: str, shared_bytes: int):
         self.cubin, self.name, self.shared_bytes = cubin, name, shared_bytes
         self._functions: Dict[int, ctypes.c_void_p] = {}
 
-    def _function(self, device: torch.device) -> ctypes.c_void_p:
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    def _function(self, index: int) -> ctypes.c_void_p:
+        """The kernel in device `index`'s context (the caller has made it current)."""
         function = self._functions.get(index)
         if function is None:
             lib = _driver()
-            with torch.cuda.device(index):
-                torch.cuda.current_stream()  # makes torch's context current on this thread
-                module, function = ctypes.c_void_p(), ctypes.c_void_p()
-                _check_driver(lib.cuModuleLoadData(ctypes.byref(module), self.cubin), "cuModuleLoadData")
-                _check_driver(lib.cuModuleGetFunction(ctypes.byref(function), module, self.name.encode()),
-                              f"cuModuleGetFunction({self.name})")
-                _check_driver(lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared_bytes),
-                              "cuFuncSetAttribute")
+            module, function = ctypes.c_void_p(), ctypes.c_void_p()
+            _check_driver(lib.cuModuleLoadData(ctypes.byref(module), self.cubin), "cuModuleLoadData")
+            _check_driver(lib.cuModuleGetFunction(ctypes.byref(function), module, self.name.encode()),
+                          f"cuModuleGetFunction({self.name})")
+            _check_driver(lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared_bytes),
+                          "cuFuncSetAttribute")
             self._functions[index] = function
         return function
 
     def launch(self, device: torch.device, grid: int, threads: int, args: Sequence[ctypes._SimpleCData]) -> None:
         """Launch on the current stream of `device`; args are ctypes values in the kernel's order (a
         tensor map is passed as its 128 bytes)."""
-        function = self._function(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
         pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-        _check_driver(_driver().cuLaunchKernel(function, grid, 1, 1, threads, 1, 1, self.shared_bytes, stream,
-                                               pointers, None), f"cuLaunchKernel({self.name})")
+        stream = ctypes.c_void_p(torch.cuda.current_stream(index).cuda_stream)
+        with _current_context(index):
+            _check_driver(_driver().cuLaunchKernel(self._function(index), grid, 1, 1, threads, 1, 1,
+                                                   self.shared_bytes, stream, pointers, None),
+                          f"cuLaunchKernel({self.name})")
 
 
 class TensorMap(ctypes.Structure):
@@ -147,6 +180,7 @@ _ELEMENT_STRIDES = (ctypes.c_uint32 * 2)(1, 1)
 # ones), so most launches skip the encoding. Bounded.
 _tile_maps: "OrderedDict[tuple, TensorMap]" = OrderedDict()
 _MAX_TILE_MAPS = 512
+_tile_maps_lock = threading.Lock()  # several threads may launch (one per GPU)
 
 
 def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
@@ -160,11 +194,13 @@ def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
                          f"of whole 16 bytes, got {matrix.dtype} {tuple(matrix.shape)} at {address:#x}")
     if box_cols * size != 128:
         raise ValueError(f"tile_map: 128-byte swizzled boxes have rows of 128 bytes, got {box_cols} x {size} bytes")
-    key = (address, rows, cols, size, box_rows, box_cols)
-    found = _tile_maps.get(key)
-    if found is not None:
-        _tile_maps.move_to_end(key)
-        return found
+    # Everything the encoding below reads.
+    key = (address, rows, cols, size, box_rows, box_cols, _SWIZZLE_128B, _L2_PROMOTION_256B)
+    with _tile_maps_lock:
+        found = _tile_maps.get(key)
+        if found is not None:
+            _tile_maps.move_to_end(key)
+            return found
     buffer = ctypes.create_string_buffer(ctypes.sizeof(TensorMap) + 64)
     aligned = (ctypes.addressof(buffer) + 63) // 64 * 64
     dims = (ctypes.c_uint64 * 2)(cols, rows)  # innermost first
@@ -175,7 +211,8 @@ def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
         _ELEMENT_STRIDES, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0), "cuTensorMapEncodeTiled")
     encoded = TensorMap()
     ctypes.memmove(ctypes.addressof(encoded), aligned, ctypes.sizeof(TensorMap))
-    _tile_maps[key] = encoded
-    if len(_tile_maps) > _MAX_TILE_MAPS:
-        _tile_maps.popitem(last=False)
+    with _tile_maps_lock:
+        _tile_maps[key] = encoded
+        if len(_tile_maps) > _MAX_TILE_MAPS:
+            _tile_maps.popitem(last=False)
     return encoded

@@ -21,7 +21,6 @@ Accelerator from tensor descriptors built on the host; the sums are the same.
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import List, Optional, Sequence
 
 import torch
@@ -98,15 +97,11 @@ def default_tiles(device: torch.device, triton_tiles: GemmTiles, n: Optional[int
     """The CUDA kernels on an SM90 GPU (they are sm_90a machine code), else the Triton kernel's tiles
     (other GPUs, and the CPU interpreter). n: a forward / data gradient's output columns (the CUDA
     tiles are 256 wide from WIDE_FROM_N on); None for the weight gradient."""
-    if device.type != "cuda" or _capability(device) != (9, 0):
+    if not grouped_gemm_sm90.is_sm90(device):
         return triton_tiles
     wide = n is not None and n >= WIDE_FROM_N and n % CUDA_WIDE_TILES.block_n == 0
     return CUDA_WIDE_TILES if wide else CUDA_TILES
 
-
-@lru_cache(maxsize=None)
-def _capability(device: torch.device):
-    return torch.cuda.get_device_capability(device)
 
 
 @triton.jit
@@ -329,12 +324,15 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
     if weight_k != k:
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
     _check_offsets(name, row_offsets, num_experts, rows.data.device)
-    tiles = tiles or default_tiles(rows.data.device, DEFAULT_ROWS_TILES, n)
+    if tiles is None:
+        tiles = default_tiles(rows.data.device, DEFAULT_ROWS_TILES, n)
     _check_tiles(name, tiles, n, k)
     if n % tiles.block_n:
         raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n}")
     if tiles.cuda_sm90:
-        _check_cuda_launch(name, tiles, grouped_gemm_sm90.ROWS, rows.data, weights.data)
+        _check_cuda_launch(name, tiles, grouped_gemm_sm90.ROWS, num_experts,
+                           {"M": num_rows, "E * N": num_experts * n, "K": k}, (rows.data, weights.data),
+                           (rows.block_scales, weights.block_scales), out_dtype)
     if tiles.warp_specialized and not rows.data.is_cuda:
         raise RuntimeError(f"{name}: the warp-specialized kernel is Gluon, which Triton's interpreter cannot run; "
                            "pass tiles without warp_specialized on the CPU")
@@ -343,7 +341,8 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
         return out
     if tiles.cuda_sm90:
         grouped_gemm_sm90.launch_rows(rows.data, rows.block_scales, weights.data, weights.block_scales, row_offsets,
-                                      _stored(out), _cuda_output_mode(name, out), tiles.num_stages, tiles.block_n)
+                                      _stored(out), _cuda_output_mode(name, out_dtype), tiles.num_stages,
+                                      tiles.block_n)
         return out
     num_tiles_m = triton.cdiv(num_rows, tiles.block_m) + num_experts
     if tiles.warp_specialized:
@@ -381,10 +380,8 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         if not isinstance(operand, FP8BlockTensor) or operand.layout != COLWISE:
             raise TypeError(f"{name}: expected colwise FP8BlockTensors")
     check_kernel_device(name, grad_cols.data)
-    tiles = tiles or default_tiles(grad_cols.data.device, DEFAULT_WGRAD_TILES)
-    if tiles.cuda_sm90:
-        _check_tiles(name, tiles, grad_cols.shape[0], input_cols.shape[0])
-        _check_cuda_launch(name, tiles, grouped_gemm_sm90.WGRAD, grad_cols.data, input_cols.data)
+    if tiles is None:
+        tiles = default_tiles(grad_cols.data.device, DEFAULT_WGRAD_TILES)
     n, capacity = grad_cols.shape
     k, input_capacity = input_cols.shape
     # Both come from the same segments (the experts' counts); comparing their offsets here would
@@ -396,6 +393,12 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
                          f"{tiles.block_n}")
     offsets = grad_cols.segment_offsets
     num_experts = offsets.numel() - 1
+    if tiles.cuda_sm90:
+        _check_tiles(name, tiles, n, k)
+        _check_cuda_launch(name, tiles, grouped_gemm_sm90.WGRAD, num_experts,
+                           {"capacity": capacity, "E * N": num_experts * n, "K": k},
+                           (grad_cols.data, input_cols.data), (grad_cols.block_scales, input_cols.block_scales),
+                           out_dtype if accumulate_into is None else None)
     if accumulate_into is None:
         out = torch.empty(num_experts, n, k, dtype=out_dtype, device=grad_cols.data.device)
         target = _stored(out)
@@ -405,7 +408,7 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     if capacity == 0:  # no token at all: zero gradients (nothing to add); a TMA descriptor needs a width
         return None if out is None else out.zero_()
     if tiles.cuda_sm90:
-        mode = grouped_gemm_sm90.ACCUMULATE_FP32 if out is None else _cuda_output_mode(name, out)
+        mode = grouped_gemm_sm90.ACCUMULATE_FP32 if out is None else _cuda_output_mode(name, out_dtype)
         grouped_gemm_sm90.launch_wgrad(grad_cols.data, grad_cols.block_scales, input_cols.data,
                                        input_cols.block_scales, offsets, target, mode, tiles.num_stages,
                                        tiles.block_n)
@@ -422,19 +425,23 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
     return out
 
 
-def _check_cuda_launch(name: str, tiles: GemmTiles, gemm, *operands: torch.Tensor) -> None:
-    """What the CUDA kernels need: its stage count, a GPU, FP8 operands that tensor maps can read."""
+def _check_cuda_launch(name: str, tiles: GemmTiles, gemm, num_experts: int, sizes, operands, scales,
+                       out_dtype: Optional[torch.dtype]) -> None:
+    """What the CUDA kernels need (tiles, operands that tensor maps can read, scales, sizes, the output
+    dtype, None when adding into fp32 buffers), then an SM90 GPU."""
     grouped_gemm_sm90.check_tiles(name, gemm, tiles.num_stages, tiles.block_n)
-    if not operands[0].is_cuda:
-        raise RuntimeError(f"{name}: the CUDA kernel needs a GPU; pass tiles without cuda_sm90 on the CPU")
     for data in operands:
         _check_operand(name, data, True)
+    grouped_gemm_sm90.check_operands(name, num_experts, sizes, *scales)
+    if out_dtype is not None:
+        _cuda_output_mode(name, out_dtype)
+    grouped_gemm_sm90.check_device(name, operands[0].device)
 
 
-def _cuda_output_mode(name: str, out: torch.Tensor) -> int:
-    if out.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"{name}: the CUDA kernel writes BF16 or fp32, got {out.dtype}")
-    return grouped_gemm_sm90.STORE_BF16 if out.dtype == torch.bfloat16 else grouped_gemm_sm90.STORE_FP32
+def _cuda_output_mode(name: str, out_dtype: torch.dtype) -> int:
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{name}: the CUDA kernel writes BF16 or fp32, got {out_dtype}")
+    return grouped_gemm_sm90.STORE_BF16 if out_dtype == torch.bfloat16 else grouped_gemm_sm90.STORE_FP32
 
 
 def _operand(name: str, data: torch.Tensor, block, tma: bool):

@@ -1,11 +1,12 @@
 """The grouped FP8 GEMMs in CUDA C++ for Hopper (sm90/*.cu): persistent CTAs of a producer warpgroup
-and two consumer warpgroups on 128 x 128 tiles, the same sums as the Triton kernels of
-grouped_fp8_gemm, which launches them for `GemmTiles.cuda_sm90` (the default on SM90 GPUs)."""
+and two consumer warpgroups on tiles of 128 rows and 128 or 256 columns, the same sums as the Triton
+kernels of grouped_fp8_gemm, which launches them for `GemmTiles.cuda_sm90` (the default on SM90 GPUs)."""
 
 import ctypes
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Dict
 
 import torch
 
@@ -13,7 +14,7 @@ from ..formats import FP8_BLOCK
 from ._cuda_runtime import SOURCES, CudaKernel, compile_cubin, tile_map
 
 THREADS = 3 * 128  # a producer warpgroup and two consumer warpgroups
-MAX_EXPERTS = 1024  # per-expert tables live in shared memory (common.cuh)
+MAX_EXPERTS = 1024  # per-expert tables live in shared memory (passed to the kernels' source)
 SHARED_LIMIT = 227 * 1024  # what one block may ask for on Hopper
 _ALIGNMENT = 1024  # the swizzled tiles start at 1024-byte boundaries
 # The kernels' OutputMode.
@@ -63,21 +64,45 @@ def check_tiles(name: str, gemm: Sm90Gemm, stages: int, block_n: int) -> None:
 def build(gemm: Sm90Gemm, stages: int, block_n: int = FP8_BLOCK):
     """(the kernel, ptxas's report) at `stages` pipeline stages and tiles of block_n columns (compiled
     once per process)."""
-    cubin, report = compile_cubin(os.path.join(SOURCES, gemm.source), (("STAGES", stages), ("BLOCK_N", block_n)))
+    cubin, report = compile_cubin(os.path.join(SOURCES, gemm.source),
+                                  (("STAGES", stages), ("BLOCK_N", block_n), ("MAX_EXPERTS", MAX_EXPERTS)))
     return CudaKernel(cubin, gemm.name, gemm.shared_bytes(stages, block_n)), report
 
 
-def _check_experts(name: str, num_experts: int, rows: int) -> None:
-    """The kernels' per-expert tables hold MAX_EXPERTS; tile coordinates are 32-bit."""
-    if num_experts > MAX_EXPERTS or rows >= 2**31:
-        raise ValueError(f"{name}: the CUDA kernel takes up to {MAX_EXPERTS} experts and fewer than 2^31 output rows, "
-                         f"got {num_experts} experts and {rows} rows")
+_TRITON_WAY = "the Triton kernels take it (GemmTiles without cuda_sm90; ExpertGemms.GROUPED_TRITON for the experts)"
 
 
-def _contiguous_scales(name: str, *scales: torch.Tensor) -> None:
+def check_operands(name: str, num_experts: int, sizes: Dict[str, int], *scales: torch.Tensor) -> None:
+    """What the kernels need of the operands besides their tiles: 1 to MAX_EXPERTS experts (their tables
+    live in shared memory), sizes that fit the kernels' 32-bit coordinates, and block scales contiguous
+    and 16-byte aligned (the weight gradient's are bulk-copied)."""
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"{name}: the CUDA kernel takes 1 to {MAX_EXPERTS} experts, got {num_experts}; {_TRITON_WAY}")
+    too_large = {what: size for what, size in sizes.items() if size >= 2**31}
+    if too_large:
+        raise ValueError(f"{name}: the CUDA kernel's coordinates are 32-bit, got {too_large}; {_TRITON_WAY}")
     for s in scales:
-        if not s.is_contiguous():
-            raise ValueError(f"{name}: the CUDA kernel reads contiguous block scales, got strides {s.stride()}")
+        if not s.is_contiguous() or s.data_ptr() % 16:
+            raise ValueError(f"{name}: the CUDA kernel reads block scales contiguous and 16-byte aligned, got "
+                             f"strides {s.stride()} at {s.data_ptr():#x}")
+
+
+def check_device(name: str, device: torch.device) -> None:
+    """The kernels are sm_90a machine code: an SM90 GPU."""
+    if device.type != "cuda":
+        raise RuntimeError(f"{name}: the CUDA kernel needs a GPU; pass tiles without cuda_sm90 on the CPU")
+    if not is_sm90(device):
+        raise RuntimeError(f"{name}: the CUDA kernel runs on Hopper (compute capability 9.0), found "
+                           f"{torch.cuda.get_device_capability(device)}; {_TRITON_WAY}")
+
+
+def is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and _capability(device) == (9, 0)
+
+
+@lru_cache(maxsize=None)
+def _capability(device: torch.device):
+    return torch.cuda.get_device_capability(device)
 
 
 def _grid(device: torch.device, tiles: int) -> int:
@@ -103,12 +128,10 @@ def launch_wgrad(grad_data: torch.Tensor, grad_scales: torch.Tensor, input_data:
                  input_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int,
                  stages: int, block_n: int) -> None:
     """dW_e = dY_e^T X_e for every expert into `target` ([E, N, K] BF16 as int16 or fp32, or with
-    ACCUMULATE_FP32 the int64 address table of each expert's fp32 [N, K]); operands as grouped_wgrad's."""
-    name = "grouped_wgrad"
+    ACCUMULATE_FP32 the int64 address table of each expert's fp32 [N, K]); operands as grouped_wgrad's,
+    checked by it (check_operands, check_device)."""
     n, k = grad_data.shape[0], input_data.shape[0]
     num_experts = offsets.numel() - 1
-    _check_experts(name, num_experts, num_experts * n)
-    _contiguous_scales(name, grad_scales, input_scales)
     grad_map = tile_map(grad_data, FP8_BLOCK, FP8_BLOCK)
     kernel, _ = build(WGRAD, stages, block_n)
     kernel.launch(grad_data.device, _grid(grad_data.device, num_experts * (n // FP8_BLOCK) * (k // block_n)),
@@ -124,12 +147,9 @@ def launch_rows(rows_data: torch.Tensor, row_scales: torch.Tensor, weight_data: 
                 weight_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int,
                 stages: int, block_n: int) -> None:
     """Y[rows of e] = X[rows of e] W_e^T into `target` ([M, N], BF16 as int16 or fp32); operands as
-    grouped_gemm_by_weight's (weight_data [E, N, K])."""
-    name = "grouped_gemm_by_weight"
+    grouped_gemm_by_weight's (weight_data [E, N, K]), checked by it (check_operands, check_device)."""
     m, k = rows_data.shape
     num_experts, n, _ = weight_data.shape
-    _check_experts(name, num_experts, num_experts * n)
-    _contiguous_scales(name, row_scales, weight_scales)
     rows_map = tile_map(rows_data, FP8_BLOCK, FP8_BLOCK)
     kernel, _ = build(ROWS, stages, block_n)
     upper_bound_tiles = (-(-m // FP8_BLOCK) + num_experts) * (n // block_n)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import CUDA_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS
+from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_TILES, CUDA_WIDE_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
+                                                   WARP_SPECIALIZED_ROWS)
 from megatron_fp4.tensors import COLWISE, FP8BlockTensor
 
 COUNTS = [130, 0, 3, 1, 70, 0, 256]  # > a tile, empty, not a multiple of 4, one token, ..., two full tiles
@@ -276,7 +277,8 @@ def test_warp_specialized_kernel_gives_the_triton_kernels_bits(experts, k, n, ou
 
 
 def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
-    """The CUDA kernels' tiles are fixed but for their stages, and they need a GPU."""
+    """The CUDA kernels' tiles are fixed but for their stages and width, their operands must suit them,
+    and they need an SM90 GPU: each refused with its reason, before anything runs."""
     grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=24)
     rows, weights = _rows_operand(8, 256, device, seed=25), _weights(2, 256, 256, device, seed=26)
     offsets = _offsets([4, 4], device)
@@ -293,20 +295,47 @@ def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
             gemm(dataclasses.replace(CUDA_TILES, num_stages=4, block_n=256))
         with pytest.raises(ValueError, match="block_n 128 or 256"):
             gemm(dataclasses.replace(CUDA_TILES, block_n=64))
+        with pytest.raises(ValueError, match="writes BF16 or fp32"):
+            gemm(CUDA_TILES, torch.float16)
         if device.type == "cpu":
             with pytest.raises(RuntimeError, match="needs a GPU"):
                 gemm(CUDA_TILES)
-        else:
-            with pytest.raises(ValueError, match="writes BF16 or fp32"):
-                gemm(CUDA_TILES, torch.float16)
+    narrow = _weights(2, 384, 256, device, seed=27)  # N = 384: not a multiple of 256
+    with pytest.raises(ValueError, match="multiple of block_n 256"):
+        K.grouped_gemm_by_weight(rows, narrow, offsets, tiles=CUDA_WIDE_TILES)
+    misaligned = torch.empty(rows.block_scales.numel() + 1, device=device)[1:].view_as(rows.block_scales)
+    unaligned_rows = FP8BlockTensor(rows.data, misaligned.copy_(rows.block_scales))
+    with pytest.raises(ValueError, match="contiguous and 16-byte aligned"):
+        K.grouped_gemm_by_weight(unaligned_rows, weights, offsets, tiles=CUDA_TILES)
 
 
-def _cuda_tiles(columns: int):
-    """Every stage count of the CUDA kernels at both tile widths that divide the output's columns."""
+def test_the_cuda_kernels_are_the_default_on_sm90_only(monkeypatch):
+    """default_tiles: the CUDA tiles on compute capability 9.0 (256 columns for forward and data gradients
+    with N >= 4096 and a multiple of 256), the Triton tiles on other GPUs and on the CPU."""
+    from megatron_fp4.kernels import grouped_gemm_sm90
+    from megatron_fp4.kernels.grouped_fp8_gemm import default_tiles
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(grouped_gemm_sm90, "_capability", lambda device: (9, 0))
+    assert default_tiles(gpu, DEFAULT_WGRAD_TILES) == CUDA_TILES
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 2048) == CUDA_TILES
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4096) == CUDA_WIDE_TILES
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4224) == CUDA_TILES  # not a multiple of 256
+    assert default_tiles(torch.device("cpu"), DEFAULT_ROWS_TILES, 4096) == DEFAULT_ROWS_TILES
+    for other in ((8, 0), (10, 0)):
+        monkeypatch.setattr(grouped_gemm_sm90, "_capability", lambda device, c=other: c)
+        assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4096) == DEFAULT_ROWS_TILES
+        assert default_tiles(gpu, DEFAULT_WGRAD_TILES) == DEFAULT_WGRAD_TILES
+
+
+def _cuda_tiles(kernel: str, columns: int):
+    """Every stage count of a CUDA kernel ("ROWS" or "WGRAD") at both tile widths that divide the
+    output's columns."""
     from megatron_fp4.kernels import grouped_gemm_sm90 as sm90
 
+    gemm = getattr(sm90, kernel)
     return [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n) for block_n in sm90.BLOCK_NS
-            if columns % block_n == 0 for stages in sm90.ROWS.stage_counts(block_n)]
+            if columns % block_n == 0 for stages in gemm.stage_counts(block_n)]
 
 
 @pytest.mark.gpu
@@ -321,26 +350,30 @@ def test_cuda_wgrad_gives_the_triton_kernels_bits(n, k, counts):
     grad_cols, x_cols = _cols_operands(counts, n, k, "cuda", seed=27)
     for out_dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
         expected = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=DEFAULT_WGRAD_TILES).view(bits)
-        for tiles in _cuda_tiles(k):
+        for tiles in _cuda_tiles("WGRAD", k):
             ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=tiles)
             assert torch.equal(ours.view(bits), expected), f"{out_dtype}, {tiles}"
     expected = [torch.full((n, k), 0.25, device="cuda") for _ in counts]
-    ours = [b.clone() for b in expected]
     K.grouped_wgrad(grad_cols, x_cols, accumulate_into=expected, tiles=DEFAULT_WGRAD_TILES)
-    K.grouped_wgrad(grad_cols, x_cols, accumulate_into=ours, tiles=CUDA_TILES)
-    for e, (mine, theirs) in enumerate(zip(ours, expected)):
-        assert torch.equal(mine, theirs), f"expert {e}"
+    for tiles in _cuda_tiles("WGRAD", k):
+        ours = [torch.full((n, k), 0.25, device="cuda") for _ in counts]
+        K.grouped_wgrad(grad_cols, x_cols, accumulate_into=ours, tiles=tiles)
+        for e, (mine, theirs) in enumerate(zip(ours, expected)):
+            assert torch.equal(mine, theirs), f"expert {e}, {tiles}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("experts,k,n", [(8, 7168, 4096), (8, 2048, 7168), (3, 384, 256), (3, 128, 256)],
-                         ids=["fc1", "fc2", "small", "one_k_step"])
+@pytest.mark.parametrize("experts,k,n", [(8, 7168, 4096), (8, 2048, 7168), (3, 384, 256), (3, 128, 256),
+                                         (70, 256, 256)],
+                         ids=["fc1", "fc2", "small", "one_k_step", "seventy_experts"])
 def test_cuda_rows_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype):
     """The CUDA forward / data-gradient kernel sums the same products in the same order as the Triton
     kernel: equal bits on ragged segments with empty and one-token experts, partial tiles whose
     next rows are another expert's, a NaN row and an all-zero row, at every stage count."""
-    counts = [700, 0, 1, 3, 129, 2048, 64, 1000][:experts] if experts == 8 else [1, 0, 260]
+    # 70 experts: more than the 32 the kernel's first warp counts row tiles of per pass.
+    counts = {8: [700, 0, 1, 3, 129, 2048, 64, 1000], 3: [1, 0, 260],
+              70: torch.randint(0, 40, (70,), generator=torch.Generator().manual_seed(29)).tolist()}[experts]
     x = torch.randn(sum(counts), k) * torch.exp2(torch.randint(-10, 10, (sum(counts), k)).float())
     x[5] = float("nan")
     x[6] = 0.0
@@ -349,20 +382,7 @@ def test_cuda_rows_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype
     offsets = _offsets(counts, "cuda")
     expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=DEFAULT_ROWS_TILES)
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
-    for tiles in _cuda_tiles(n):
+    for tiles in _cuda_tiles("ROWS", n):
         ours = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=tiles)
         assert torch.equal(ours.view(bits), expected.view(bits)), str(tiles)
     assert torch.isnan(expected[5]).all() and not torch.isnan(expected[7:]).any()
-
-
-@pytest.mark.gpu
-def test_the_cuda_kernels_are_the_default_on_sm90():
-    from megatron_fp4.kernels.grouped_fp8_gemm import CUDA_WIDE_TILES, default_tiles
-
-    sm90 = torch.cuda.get_device_capability() == (9, 0)
-    gpu = torch.device("cuda")
-    assert default_tiles(gpu, DEFAULT_WGRAD_TILES) == (CUDA_TILES if sm90 else DEFAULT_WGRAD_TILES)
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 2048) == (CUDA_TILES if sm90 else DEFAULT_ROWS_TILES)
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4096) == (CUDA_WIDE_TILES if sm90 else DEFAULT_ROWS_TILES)
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4224) == (CUDA_TILES if sm90 else DEFAULT_ROWS_TILES)  # not 256s
-    assert default_tiles(torch.device("cpu"), DEFAULT_ROWS_TILES, 4096) == DEFAULT_ROWS_TILES

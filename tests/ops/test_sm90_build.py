@@ -55,9 +55,11 @@ def test_every_launched_kernel_declares_its_sm90_signature():
 
 
 def test_cuda_kernels_compile_for_sm90a_without_spills():
-    """NVRTC compiles the CUDA C++ GEMM kernels for sm_90a at every stage count they accept, on this
-    machine, with no stack frame or spills and within the registers their launch bound gives
-    (65536 / 384 threads; the consumers raise theirs with setmaxnreg)."""
+    """NVRTC compiles the CUDA C++ GEMM kernels for sm_90a at every stage count and width they accept,
+    on this machine, within the registers their launch bound gives (65536 / 384 threads; the consumers
+    raise theirs with setmaxnreg): with no stack frame or spills at 128 columns; at 256 columns the rows
+    kernel (the default for N >= 4096) spills at most 64 bytes, outside its K loop (checked in its SASS
+    when this bound was set: the 56 bytes are tile set-up and epilogue values)."""
     import re
 
     import pytest
@@ -67,9 +69,15 @@ def test_cuda_kernels_compile_for_sm90a_without_spills():
 
     for gemm in (sm90.WGRAD, sm90.ROWS):
         assert list(gemm.stage_counts(128)) == [2, 3, 4, 5] and list(gemm.stage_counts(256)) == [2, 3]
-        for stages in gemm.stage_counts(128):
-            _, report = sm90.build(gemm, stages, 128)
-            if not report and torch.cuda.is_available():  # seen on the GPU machines' NVRTC; CI's reports
-                pytest.skip("this NVRTC gives no ptxas report")
-            assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
-            assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 65536 // sm90.THREADS // 8 * 8, report
+        for block_n in (128, 256):
+            for stages in gemm.stage_counts(block_n):
+                _, report = sm90.build(gemm, stages, block_n)
+                if not report and torch.cuda.is_available():  # seen on the GPU machines' NVRTC; CI's reports
+                    pytest.skip("this NVRTC gives no ptxas report")
+                registers = int(re.search(r"Used (\d+) registers", report).group(1))
+                assert registers <= 65536 // sm90.THREADS // 8 * 8, report
+                spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+                if block_n == 128:
+                    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+                elif gemm is sm90.ROWS:
+                    assert spilled <= 64, report

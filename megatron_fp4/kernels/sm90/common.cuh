@@ -6,11 +6,10 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#ifndef STAGES
-#define STAGES 4
-#endif
-#ifndef BLOCK_N  // output columns of a tile: 128 or 256
-#define BLOCK_N 128
+// Set by the host (grouped_gemm_sm90.build): pipeline stages, output columns of a tile (128 or 256),
+// and the size of the per-expert tables in shared memory.
+#if !defined(STAGES) || !defined(BLOCK_N) || !defined(MAX_EXPERTS)
+#error "compile with -DSTAGES=... -DBLOCK_N=... -DMAX_EXPERTS=... (grouped_gemm_sm90.build)"
 #endif
 
 struct alignas(64) TensorMap { u64 opaque[16]; };  // a CUtensorMap, built by the host
@@ -25,7 +24,6 @@ constexpr int COLUMN_PARTS = BLOCK_N / TILE;
 constexpr int B_TILE_BYTES = BLOCK_N * TILE;  // the B operand's BLOCK_N rows of 128 bytes
 constexpr int OUT_BOX_BYTES = TILE * 128;     // 64 BF16 columns of a tile's 128 rows, 128-byte swizzled rows
 constexpr int OUT_TILE_BYTES = (BLOCK_N / 64) * OUT_BOX_BYTES;
-constexpr int MAX_EXPERTS = 1024;           // per-expert tables live in shared memory
 
 enum OutputMode { STORE_BF16 = 0, STORE_FP32 = 1, ACCUMULATE_FP32 = 2 };
 
@@ -231,6 +229,15 @@ __device__ __forceinline__ void store_bf16_async(const float (&acc)[COLUMN_PARTS
 // Before the CTA's shared memory goes away: its copies out have read it.
 __device__ __forceinline__ void finish_stores(bool issues) {
     if (issues) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// The layout ending at shared-space address `end` fits the dynamic shared memory the host gave (its
+// size formula is grouped_gemm_sm90.Sm90Gemm.shared_bytes): a mismatch stops the kernel instead of
+// corrupting memory.
+__device__ __forceinline__ void check_layout(unsigned char* raw, u32 end) {
+    u32 size;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(size));
+    if (end > shared_address(raw) + size) __trap();
 }
 
 // The dynamic shared memory from a 1024-byte boundary (swizzled tiles need it): its shared-space address.

@@ -1,5 +1,5 @@
 // Grouped FP8 GEMM of the experts' rows by their weights (forward and data gradient) for Hopper
-// (sm_90a), compiled at run time by NVRTC (grouped_rows_sm90.py).
+// (sm_90a), compiled at run time by NVRTC (grouped_gemm_sm90.py).
 //
 // Y[rows of expert e] = X[rows of e] W_e^T: X [M, K] FP8 E4M3 with one fp32 scale per row and 128
 // columns (sa [K / 128, M]), W [E, N, K] FP8 with one scale per 128 x 128 block (sw [E, N / 128, S]).
@@ -104,7 +104,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
     for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) segment[e] = offsets[e];
     __syncthreads();
     if (threadIdx.x < 32) count_tiles(segment, num_experts, tile_ends);
-    if (threadIdx.x == 0) init_ring(full, empty);
+    if (threadIdx.x == 0) {
+        check_layout(shared_raw, empty + 8 * STAGES);
+        init_ring(full, empty);
+    }
     __syncthreads();
 
     const int row_tiles = tile_ends[num_experts - 1], col_tiles = n / BLOCK_N, k_steps = k / TILE;
@@ -136,12 +139,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const Tile tile = tile_at(t, row_tiles, col_tiles, tile_ends, segment, num_experts, m);
             const int my_first_row = tile.first_row + consumer * 64 + warp * 16;
-            // This thread's two rows' scales (clamped to the last row: the rows past M are never stored)
+            // This thread's two rows' scales (clamped to [0, M): rows outside are never stored)
             // and the weight blocks' of the tile's parts, walked a step at a time, each loaded a step before
             // its use.
             const float* my_scales[2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) my_scales[h] = row_scales + min(my_first_row + lane / 4 + 8 * h, m - 1);
+            for (int h = 0; h < 2; ++h) my_scales[h] = row_scales + max(min(my_first_row + lane / 4 + 8 * h, m - 1), 0);
             const float* weight_scale =
                 weight_scales + ((u64)tile.expert * (n / TILE) + tile.col_tile * COLUMN_PARTS) * weight_scale_stride;
             float next_row_scale[2] = {my_scales[0][0], my_scales[1][0]}, next_weight_scale[COLUMN_PARTS];

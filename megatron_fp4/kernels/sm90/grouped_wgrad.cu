@@ -1,4 +1,4 @@
-// Grouped FP8 weight gradient for Hopper (sm_90a), compiled at run time by NVRTC (grouped_wgrad_sm90.py).
+// Grouped FP8 weight gradient for Hopper (sm_90a), compiled at run time by NVRTC (grouped_gemm_sm90.py).
 //
 // For every expert e and every 128 x 128 tile of its gradient dW_e [N, K]:
 //   dW_e[n, k] = sum over e's 128-token blocks b of  sa[b, n] * sb[b, k] * sum_{t in b} A[n, t] B[k, t]
@@ -23,6 +23,17 @@ constexpr int STEP_BYTES = OPERAND_BYTES + B_TILE_BYTES + A_SCALE_BYTES + B_SCAL
 struct Tile {
     int expert, row_tile, col_tile;
 };
+
+// Expert e's token columns: the first, and its whole 128-token steps (none if the offsets are bad).
+// Producer and consumers take their loop bounds from here, so they always agree.
+struct Segment {
+    int first, steps;
+};
+
+__device__ __forceinline__ Segment segment_of(const long long* segment, int expert) {
+    const long long first = segment[expert], tokens = segment[expert + 1] - first;
+    return first >= 0 && tokens > 0 ? Segment{(int)first, (int)(tokens / TILE)} : Segment{0, 0};
+}
 
 // Tile t of the flat order (tiles of 128 rows and BLOCK_N columns): experts one after another; within
 // one, GROUP_M row tiles side by side.
@@ -92,7 +103,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
 
     const int warpgroup = threadIdx.x / 128;
     for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) segment[e] = offsets[e];
-    if (threadIdx.x == 0) init_ring(full, empty);
+    if (threadIdx.x == 0) {
+        check_layout(shared_raw, empty + 8 * STAGES);
+        init_ring(full, empty);
+    }
     __syncthreads();
 
     const int row_tiles = n / TILE, col_tiles = k / BLOCK_N;
@@ -104,8 +118,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
         if (threadIdx.x == 0) {  // one thread issues every copy
             for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
                 const Tile tile = tile_at(t, row_tiles, col_tiles);
-                const int first = (int)segment[tile.expert], end = (int)segment[tile.expert + 1];
-                for (int token = first; token < end; token += TILE) {
+                const Segment tokens = segment_of(segment, tile.expert);
+                for (int step = 0; step < tokens.steps; ++step) {
+                    const int token = tokens.first + step * TILE;
                     barrier_wait(empty + 8 * ring.stage, ring.parity ^ 1);
                     const u32 bar = full + 8 * ring.stage;
                     barrier_expect_bytes(bar, STEP_BYTES);
@@ -129,14 +144,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
         start_turns(consumer);
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const Tile tile = tile_at(t, row_tiles, col_tiles);
-            const int first = (int)segment[tile.expert], end = (int)segment[tile.expert + 1];
+            const Segment tokens = segment_of(segment, tile.expert);
             float acc[COLUMN_PARTS][64], product[64];
 #pragma unroll
             for (int part = 0; part < COLUMN_PARTS; ++part) {
 #pragma unroll
                 for (int i = 0; i < 64; ++i) acc[part][i] = 0.0f;
             }
-            for (int token = first; token < end; token += TILE) {
+            for (int step = 0; step < tokens.steps; ++step) {
                 barrier_wait(full + 8 * ring.stage, ring.parity);
                 const float* a_scale = row_scales_at + ring.stage * TILE;
                 const float* b_scale = col_scales_at + ring.stage * BLOCK_N;
@@ -163,7 +178,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
                 }
                 ring.advance();
             }
-            if (mode == ACCUMULATE_FP32 && first == end) continue;  // nothing to add
+            // An expert without tokens leaves its buffer as it was (the Triton kernel adds +0.0 to it, which
+            // differs only where the buffer holds -0.0).
+            if (mode == ACCUMULATE_FP32 && tokens.steps == 0) continue;
             if (mode == STORE_BF16) {
                 store_bf16_async(acc, out_tile, out_tile_at, &out_map, consumer, warp, lane, issues_stores,
                                  tile.col_tile * BLOCK_N, tile.expert * n + tile.row_tile * TILE + consumer * 64);
