@@ -57,8 +57,8 @@ def test_every_launched_kernel_declares_its_sm90_signature():
 def test_cuda_kernels_compile_for_sm90a_without_spills():
     """NVRTC compiles the CUDA C++ GEMM kernels for sm_90a at every stage count and width they accept,
     on this machine, within the registers their launch bound gives (65536 / 384 threads; the consumers
-    raise theirs with setmaxnreg): with no stack frame or spills at 128 columns; at 256 columns the rows
-    kernel (the default for N >= 4096) spills at most 64 bytes, outside its K loop (checked in its SASS
+    raise theirs with setmaxnreg): with no stack frame or spills, but for the rows kernel at 256 columns
+    (the default for N >= 4096), which spills at most 64 bytes, outside its K loop (checked in its SASS
     when this bound was set: the 56 bytes are tile set-up and epilogue values)."""
     import re
 
@@ -77,7 +77,7 @@ def test_cuda_kernels_compile_for_sm90a_without_spills():
                 registers = int(re.search(r"Used (\d+) registers", report).group(1))
                 assert registers <= 65536 // sm90.THREADS // 8 * 8, report
                 spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-                if block_n == 128:
-                    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
-                elif gemm is sm90.ROWS:
+                if gemm is sm90.ROWS and block_n == 256:
                     assert spilled <= 64, report
+                else:
+                    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report

@@ -156,25 +156,30 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_wgrad_sm90(
                 const float* a_scale = row_scales_at + ring.stage * TILE;
                 const float* b_scale = col_scales_at + ring.stage * BLOCK_N;
                 const float row_scale[2] = {a_scale[my_row], a_scale[my_row + 8]};
-                // The first part's column scales are read before its products (off the path from product to
-                // sum); a later part's after, so that only one part's are held at a time.
+                // One 128-column part: its column scales are read before its products (off the path from
+                // product to sum) and the stage released right after them. Two parts: each part's are read
+                // as its sums use them, so that none are held while the other part's sums and the product
+                // fill the registers, and the stage is released after the last part's sums.
                 float2 col_scale[16];
-                read_column_scales(col_scale, b_scale, lane);
+                if constexpr (COLUMN_PARTS == 1) read_column_scales(col_scale, b_scale, lane);
 #pragma unroll
                 for (int part = 0; part < COLUMN_PARTS; ++part) {
                     multiply_part(product, a_tiles + ring.stage * OPERAND_BYTES + consumer * 64 * TILE,
                                   b_tiles + ring.stage * B_TILE_BYTES + part * OPERAND_BYTES, consumer);
-                    if (part > 0) read_column_scales(col_scale, b_scale + part * TILE, lane);
-                    if (part == COLUMN_PARTS - 1) release_stage(lane, empty + 8 * ring.stage);
+                    if constexpr (COLUMN_PARTS == 1) release_stage(lane, empty + 8 * ring.stage);
 #pragma unroll
                     for (int j = 0; j < 16; ++j) {
+                        const float2 scale_j =
+                            COLUMN_PARTS == 1 ? col_scale[j]
+                                              : reinterpret_cast<const float2*>(b_scale + part * TILE)[4 * j + lane % 4];
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             float* sum = &acc[part][4 * j + 2 * h];
-                            sum[0] = fmaf(product[4 * j + 2 * h], row_scale[h] * col_scale[j].x, sum[0]);
-                            sum[1] = fmaf(product[4 * j + 2 * h + 1], row_scale[h] * col_scale[j].y, sum[1]);
+                            sum[0] = fmaf(product[4 * j + 2 * h], row_scale[h] * scale_j.x, sum[0]);
+                            sum[1] = fmaf(product[4 * j + 2 * h + 1], row_scale[h] * scale_j.y, sum[1]);
                         }
                     }
+                    if (COLUMN_PARTS > 1 && part == COLUMN_PARTS - 1) release_stage(lane, empty + 8 * ring.stage);
                 }
                 ring.advance();
             }
