@@ -12,8 +12,8 @@
 // The CTA is the weight gradient's (grouped_wgrad.cu, common.cuh): persistent, a producer warpgroup
 // loading both operand tiles through the Tensor Memory Accelerator into a ring of stages, two
 // consumer warpgroups of 64 rows taking turns at the tensor cores. Each consumer loads its rows' scales
-// and the weight block's scale one step ahead, from L2 (a tile's row scales start at any row, too
-// unaligned for a bulk copy).
+// and the scales of the tile's weight blocks (one per 128 columns) one step ahead, from L2 (a tile's
+// row scales start at any row, too unaligned for a bulk copy).
 
 #include "common.cuh"
 
