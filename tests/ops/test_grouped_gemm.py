@@ -252,6 +252,14 @@ def test_warp_specialized_tiles_are_refused_when_changed_and_under_the_interpret
         K.grouped_wgrad(None, None, tiles=WARP_SPECIALIZED_ROWS)
 
 
+def _rows_with_a_nan_and_a_zero_row(counts, k: int) -> FP8BlockTensor:
+    """FP8 rows on the GPU for the bit-equality tests: 2^20 of range, row 5 NaN, row 6 all zeros."""
+    x = torch.randn(sum(counts), k) * torch.exp2(torch.randint(-10, 10, (sum(counts), k)).float())
+    x[5] = float("nan")
+    x[6] = 0.0
+    return K.quantize_fp8_rows(x.bfloat16().cuda())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("experts,k,n", [(8, 7168, 4096), (8, 2048, 7168), (3, 384, 256), (3, 128, 256)],
@@ -261,10 +269,7 @@ def test_warp_specialized_kernel_gives_the_triton_kernels_bits(experts, k, n, ou
     on ragged segments with empty and one-token experts, a NaN row and an all-zero row, at every
     stage count the sweep tries, and with fewer K steps than its ring of scales."""
     counts = [700, 0, 1, 3, 129, 2048, 64, 1000][:experts] if experts == 8 else [1, 0, 260]
-    x = torch.randn(sum(counts), k) * torch.exp2(torch.randint(-10, 10, (sum(counts), k)).float())
-    x[5] = float("nan")
-    x[6] = 0.0
-    rows = K.quantize_fp8_rows(x.bfloat16().cuda())
+    rows = _rows_with_a_nan_and_a_zero_row(counts, k)
     weights = _weights(experts, n, k, "cuda", seed=23)
     offsets = _offsets(counts, "cuda")
     expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=DEFAULT_ROWS_TILES)
@@ -374,10 +379,7 @@ def test_cuda_rows_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype
     # 70 experts: more than the 32 the kernel's first warp counts row tiles of per pass.
     counts = {8: [700, 0, 1, 3, 129, 2048, 64, 1000], 3: [1, 0, 260],
               70: torch.randint(0, 40, (70,), generator=torch.Generator().manual_seed(29)).tolist()}[experts]
-    x = torch.randn(sum(counts), k) * torch.exp2(torch.randint(-10, 10, (sum(counts), k)).float())
-    x[5] = float("nan")
-    x[6] = 0.0
-    rows = K.quantize_fp8_rows(x.bfloat16().cuda())
+    rows = _rows_with_a_nan_and_a_zero_row(counts, k)
     weights = _weights(experts, n, k, "cuda", seed=28)
     offsets = _offsets(counts, "cuda")
     expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=DEFAULT_ROWS_TILES)
