@@ -11,6 +11,9 @@ fc2; fprop, dgrad and wgrad), measured in the same run:
 - grouped_mm_bf16: torch._grouped_mm in BF16 over the same segments, each rounded up to 8 rows
   (its 16-byte rule; what a user could write);
 - per_expert_scaled_mm: one scaled_mm per expert from Python (the experts' previous path).
+fc1_fprop_from_mxfp4 (SM90): the forward GEMM reading the dispatched MXFP4 rows itself
+(grouped_gemm_by_weight_from_mxfp4) against convert_then_grouped_gemm, mxfp4_to_fp8_rows and then
+the FP8 grouped GEMM at its default tiles (the same bits, checked), and the dense FP8 GEMM.
 Times are wall time per call over back-to-back calls (the host included where it limits), inputs
 random and far larger than L2. Rows: bench=grouped_gemm, metric=tflops, one per reference.
 
@@ -33,6 +36,7 @@ from megatron_fp4.formats import FP8_BLOCK
 from megatron_fp4.kernels import GemmTiles
 from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
                                                    WARP_SPECIALIZED_ROWS, default_tiles)
+from megatron_fp4.kernels.grouped_gemm_sm90 import is_sm90
 from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
 
@@ -42,6 +46,7 @@ HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768
 ROWS_GEMMS = {"fc1_fprop": (2 * FFN, HIDDEN), "fc2_fprop": (HIDDEN, FFN), "fc1_dgrad": (HIDDEN, 2 * FFN),
               "fc2_dgrad": (FFN, HIDDEN)}
 WGRAD_GEMMS = {"fc1_wgrad": (2 * FFN, HIDDEN), "fc2_wgrad": (HIDDEN, FFN)}
+MXFP4_GEMMS = {"fc1_fprop_from_mxfp4": (2 * FFN, HIDDEN)}  # the dispatched tokens are fc1's input
 
 # The Triton kernels' tiles first (the default off SM90, and the bits every other config must give),
 # the warp-specialized Gluon kernel at its best stage count of earlier sweeps (0.88x-1.02x of the
@@ -51,6 +56,8 @@ CUDA_SWEEP = [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n
               for block_n, stages in ((128, 3), (128, 4), (256, 2), (256, 3))]
 ROWS_SWEEP = [DEFAULT_ROWS_TILES, dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=5)] + CUDA_SWEEP
 WGRAD_SWEEP = [DEFAULT_WGRAD_TILES] + CUDA_SWEEP
+MXFP4_SWEEP = [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n)
+               for block_n, stages in ((128, 3), (128, 4), (256, 2))]
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -167,6 +174,33 @@ def rows_gemm_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: Lis
     record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16, "per_expert_scaled_mm": loop})
 
 
+def mxfp4_fprop_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
+                     record: Callable[..., None]) -> None:
+    """fc1 fprop of MXFP4 rows: read as they are, against converting them to FP8 first."""
+    experts, m = m_counts.numel(), int(m_counts.sum())
+    _, weights, offsets, _ = rows_operands(m_counts, n, k)
+    tokens = K.quantize_mxfp4(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    flops = 2.0 * m * n * k
+
+    def convert_then_gemm():
+        return K.grouped_gemm_by_weight(K.mxfp4_to_fp8_rows(tokens), weights, offsets)
+
+    expected = convert_then_gemm()
+    ours = swept(name, experts, sweep, flops, iters,
+                 lambda tiles: K.grouped_gemm_by_weight_from_mxfp4(tokens, weights, offsets, tiles=tiles))
+    best = max(ours, key=ours.get)
+    mine = K.grouped_gemm_by_weight_from_mxfp4(tokens, weights, offsets, tiles=best)
+    if not torch.equal(mine.view(torch.int16), expected.view(torch.int16)):
+        raise SystemExit(f"{name}: reading MXFP4 gave other bits than converting first")
+    two_step = tflops(flops, wall_ms(convert_then_gemm, iters, 3))
+    rows = K.mxfp4_to_fp8_rows(tokens)
+    b, sb = weights[0].scaled_mm_operand()
+    dense = tflops(flops, wall_ms(lambda: F.scaled_mm(rows.data, b, rows.block_scales.t(), F.ScalingType.BlockWise1x128,
+                                                      sb, F.ScalingType.BlockWise128x128,
+                                                      output_dtype=torch.bfloat16), iters, 3))
+    record(name, experts, ours[best], best, {"convert_then_grouped_gemm": two_step, "dense_scaled_mm": dense})
+
+
 def wgrad_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
                record: Callable[..., None]) -> None:
     """wgrad: dW_e [N, K] = dY_e^T X_e, both colwise (1x128 along tokens)."""
@@ -200,8 +234,9 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, nargs="+", default=[32, 8], help="local experts")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-sweep", action="store_true", help="only the default tile configs (the CUDA kernels on SM90 GPUs)")
-    p.add_argument("--gemms", nargs="+", choices=[*ROWS_GEMMS, *WGRAD_GEMMS], default=[*ROWS_GEMMS, *WGRAD_GEMMS],
-                   help="the GEMMs to measure (default: all six)")
+    everything = [*ROWS_GEMMS, *WGRAD_GEMMS, *MXFP4_GEMMS]
+    p.add_argument("--gemms", nargs="+", choices=everything, default=everything,
+                   help="the GEMMs to measure (default: all seven; fc1_fprop_from_mxfp4 on SM90 GPUs only)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_grouped_gemm needs a CUDA GPU (SM90)")
@@ -215,7 +250,8 @@ def main(argv=None) -> int:
                          local_experts=experts, tiles=str(tiles))
         table.append(f"| {case} | {experts} | {value:.0f} | " + " | ".join(
             f"{references.get(r, float('nan')):.0f} ({value / references[r]:.2f}x)" if r in references else "-"
-            for r in ("dense_scaled_mm", "grouped_mm_bf16", "per_expert_scaled_mm")) + f" | {tiles} |")
+            for r in ("dense_scaled_mm", "grouped_mm_bf16", "per_expert_scaled_mm", "convert_then_grouped_gemm"))
+            + f" | {tiles} |")
 
     gpu = torch.device("cuda")
     wgrad_sweep = [default_tiles(gpu, DEFAULT_WGRAD_TILES)] if args.no_sweep else WGRAD_SWEEP
@@ -229,8 +265,13 @@ def main(argv=None) -> int:
         for name, (n, k) in WGRAD_GEMMS.items():
             if name in args.gemms:
                 wgrad_case(name, counts, n, k, wgrad_sweep, args.iters, record)
-    print("| GEMM | local experts | ours TFLOP/s | dense scaled_mm | grouped_mm BF16 | per-expert scaled_mm | tiles |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+        for name, (n, k) in MXFP4_GEMMS.items():
+            if name in args.gemms and is_sm90(gpu):
+                mxfp4_sweep = [default_tiles(gpu, DEFAULT_ROWS_TILES, n)] if args.no_sweep else MXFP4_SWEEP
+                mxfp4_fprop_case(name, counts, n, k, mxfp4_sweep, args.iters, record)
+    print("| GEMM | local experts | ours TFLOP/s | dense scaled_mm | grouped_mm BF16 | per-expert scaled_mm "
+          "| convert + GEMM | tiles |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(table))
     recorder.write()
     return 0

@@ -27,6 +27,7 @@ import torch
 
 from .. import kernels as K
 from ..kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS, GemmTiles
+from ..kernels.grouped_gemm_sm90 import is_sm90
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..telemetry import Telemetry
 from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
@@ -41,8 +42,11 @@ class ExpertGemms(Enum):
     """How the experts' FP8 GEMMs run (both compute the same block-scaled products)."""
 
     # One launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py): the CUDA C++ kernels on
-    # SM90 GPUs, the Triton kernels elsewhere (the same bits).
+    # SM90 GPUs, the Triton kernels elsewhere (the same bits). On SM90 the fc1 GEMM of dispatched MXFP4
+    # tokens reads them as they are (grouped_gemm_by_weight_from_mxfp4) where their rows suit TMA
+    # (hidden a multiple of 512); elsewhere they are converted to an FP8 copy first. Same bits.
     GROUPED = "grouped"
+    GROUPED_FP8_COPY = "grouped_fp8_copy"  # GROUPED, always through the FP8 copy of dispatched MXFP4 tokens
     GROUPED_TRITON = "grouped_triton"  # GROUPED on the Triton kernels on every GPU
     # GROUPED_TRITON with the forward and data-gradient GEMMs on the warp-specialized Gluon kernel
     # (kernels/grouped_fp8_gemm_ws.py; CUDA only, the same bits)
@@ -99,12 +103,18 @@ class FP8ExpertsFunction(torch.autograd.Function):
         ffn = fc2_weights[0].shape[1]
         dtype = tokens.dtype
 
-        if payload_rows is not None:
-            input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
+        fc1_fp8_weights = _fp8_weights(call, "fc1", fc1_weights, False)
+        if payload_rows is not None and _fc1_reads_mxfp4(call.gemms, payload_rows):
+            fc1_out = K.grouped_gemm_by_weight_from_mxfp4(MXFP4Tensor(payload_rows, hidden, call.scale_rule),
+                                                          fc1_fp8_weights, segments.row_offsets_device, dtype)
         else:
-            input_rows = K.quantize_fp8_rows(tokens)
-        fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
-        del input_rows
+            if payload_rows is not None:
+                input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
+            else:
+                input_rows = K.quantize_fp8_rows(tokens)
+            fc1_out = _linear_forward(call, input_rows, fc1_fp8_weights, dtype)
+            del input_rows
+        del fc1_fp8_weights
         ctx.from_payload = payload_rows is not None
         ctx.fp4_activations = ctx.from_payload and call.fp4_activations
         # Row-wise, all experts at once; with the copies backward will read (see _saved_activations).
@@ -203,6 +213,13 @@ def _fp8_weights(call: ExpertsCall, name: str, weights, transpose: bool) -> FP8S
     return fp8_weights(call.weight_cache, name, weights, transpose)
 
 
+def _fc1_reads_mxfp4(gemms: ExpertGemms, payload_rows: torch.Tensor) -> bool:
+    """Whether fc1 multiplies the dispatched MXFP4 rows as they are (the same bits as through their FP8
+    copy): the CUDA kernels' default (GROUPED on an SM90 GPU), rows that TMA can copy."""
+    return (gemms is ExpertGemms.GROUPED and is_sm90(payload_rows.device) and payload_rows.data_ptr() % 16 == 0
+            and payload_rows.stride(0) % 16 == 0)
+
+
 def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:
     """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks)."""
     if call.gemms is ExpertGemms.PER_EXPERT:
@@ -216,7 +233,7 @@ def _grouped_tiles(gemms: ExpertGemms, triton_tiles: GemmTiles,
     """A grouped GEMM's tiles under `gemms`: None (the device's default, the CUDA kernels on SM90) for
     GROUPED; the Gluon kernel's where the GEMM has one under GROUPED_WARP_SPECIALIZED; else the Triton
     kernel's."""
-    if gemms is ExpertGemms.GROUPED:
+    if gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FP8_COPY):
         return None
     if gemms is ExpertGemms.GROUPED_WARP_SPECIALIZED and warp_specialized is not None:
         return warp_specialized

@@ -7,7 +7,7 @@ from .fp8_quantize import quantize_fp8_rows
 from .fp8_quantize_cols import quantize_fp8_cols
 from .fp8_quantize_weight import quantize_fp8_weight, quantize_fp8_weights, quantize_fp8_weights_stacked
 from .fp8_transpose_weight import transpose_fp8_weights
-from .grouped_fp8_gemm import GemmTiles, grouped_gemm_by_weight, grouped_wgrad
+from .grouped_fp8_gemm import GemmTiles, grouped_gemm_by_weight, grouped_gemm_by_weight_from_mxfp4, grouped_wgrad
 from .mxfp4_dequantize import dequantize_mxfp4
 from .mxfp4_quantize import quantize_mxfp4
 from .mxfp4_to_fp8 import mxfp4_to_fp8_cols, mxfp4_to_fp8_rows
@@ -18,6 +18,7 @@ __all__ = [
     "dequantize_fp8",
     "dequantize_mxfp4",
     "grouped_gemm_by_weight",
+    "grouped_gemm_by_weight_from_mxfp4",
     "grouped_wgrad",
     "mxfp4_to_fp8_cols",
     "mxfp4_to_fp8_rows",

@@ -100,7 +100,7 @@ def _check_driver(result: int, what: str) -> None:
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # CUtensorMap enums: the element types by size in bytes (the copies move bits, whatever they encode).
 _TENSOR_MAP_TYPES = {1: 0, 2: 1, 4: 2}
-_SWIZZLE_128B = 3
+_SWIZZLE_NONE, _SWIZZLE_128B = 0, 3
 _L2_PROMOTION_256B = 3
 
 
@@ -183,19 +183,27 @@ _MAX_TILE_MAPS = 512
 _tile_maps_lock = threading.Lock()  # several threads may launch (one per GPU)
 
 
-def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
-    """A tensor map of a contiguous 2-D matrix copied in [box_rows, box_cols] boxes of 128-byte rows,
-    128-byte swizzled (the wgmma operand layout); out-of-bounds reads are zeros, writes dropped."""
+def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int, swizzled: bool = True) -> TensorMap:
+    """A tensor map of a 2-D matrix (rows `stride(0)` elements apart) copied in [box_rows, box_cols]
+    boxes; out-of-bounds reads are zeros, writes dropped. swizzled: boxes of 128-byte rows in the
+    128-byte swizzle (the wgmma operand layout); else rows of whole 16 bytes, as in memory."""
     rows, cols = matrix.shape
     size = matrix.element_size()
     address = matrix.data_ptr()
-    if size not in _TENSOR_MAP_TYPES or not matrix.is_contiguous() or address % 16 or (cols * size) % 16:
-        raise ValueError(f"tile_map: needs a contiguous matrix of 1, 2 or 4-byte elements, 16-byte aligned with rows "
-                         f"of whole 16 bytes, got {matrix.dtype} {tuple(matrix.shape)} at {address:#x}")
-    if box_cols * size != 128:
+    row_bytes = matrix.stride(0) * size
+    if (size not in _TENSOR_MAP_TYPES or matrix.stride(1) != 1 or address % 16 or row_bytes % 16
+            or (cols * size) % 16 or row_bytes < cols * size):
+        raise ValueError(f"tile_map: needs a 2-D matrix of 1, 2 or 4-byte elements, 16-byte aligned with rows of "
+                         f"whole 16 bytes, got {matrix.dtype} {tuple(matrix.shape)} with strides {matrix.stride()} "
+                         f"at {address:#x}")
+    if swizzled and box_cols * size != 128:
         raise ValueError(f"tile_map: 128-byte swizzled boxes have rows of 128 bytes, got {box_cols} x {size} bytes")
+    if (box_cols * size) % 16 or not 0 < box_rows <= 256 or not 0 < box_cols <= 256:
+        raise ValueError(f"tile_map: boxes of at most 256 x 256 with rows of whole 16 bytes, got {box_rows} x "
+                         f"{box_cols} of {size} bytes")
+    swizzle = _SWIZZLE_128B if swizzled else _SWIZZLE_NONE
     # Everything the encoding below reads.
-    key = (address, rows, cols, size, box_rows, box_cols, _SWIZZLE_128B, _L2_PROMOTION_256B)
+    key = (address, rows, cols, row_bytes, size, box_rows, box_cols, swizzle, _L2_PROMOTION_256B)
     with _tile_maps_lock:
         found = _tile_maps.get(key)
         if found is not None:
@@ -204,11 +212,11 @@ def tile_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
     buffer = ctypes.create_string_buffer(ctypes.sizeof(TensorMap) + 64)
     aligned = (ctypes.addressof(buffer) + 63) // 64 * 64
     dims = (ctypes.c_uint64 * 2)(cols, rows)  # innermost first
-    strides = (ctypes.c_uint64 * 1)(cols * size)  # bytes between rows (the innermost stride is implied)
+    strides = (ctypes.c_uint64 * 1)(row_bytes)  # bytes between rows (the innermost stride is implied)
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
     _check_driver(_driver().cuTensorMapEncodeTiled(
         ctypes.c_void_p(aligned), _TENSOR_MAP_TYPES[size], 2, ctypes.c_void_p(address), dims, strides, box,
-        _ELEMENT_STRIDES, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0), "cuTensorMapEncodeTiled")
+        _ELEMENT_STRIDES, 0, swizzle, _L2_PROMOTION_256B, 0), "cuTensorMapEncodeTiled")
     encoded = TensorMap()
     ctypes.memmove(ctypes.addressof(encoded), aligned, ctypes.sizeof(TensorMap))
     with _tile_maps_lock:

@@ -11,6 +11,9 @@ accumulator (the "promotion" DeepGEMM does; cuBLASLt's blockwise GEMM computes t
   the GPU stays busy while any tile is left. Each program derives its expert from the segment offsets
   on the device (E is small), so no host sync or table is needed; the grid is sized for the worst
   case (ceil(M / BLOCK_M) + E row tiles) and the spare programs return at once.
+- `grouped_gemm_by_weight_from_mxfp4` (fprop of the dispatched MXFP4 tokens, CUDA on SM90): the
+  same bits as `grouped_gemm_by_weight(mxfp4_to_fp8_rows(q), ...)`, the conversion done in the
+  kernel's shared memory, so no FP8 copy of the tokens is written to or read from HBM.
 - `grouped_wgrad`: dW_e [N, K] = dY_e^T X_e for every expert, both operands colwise (1x128 along
   the tokens, each segment starting at a multiple of 128 columns and zero-filled past its tokens,
   as the column kernels write them). An expert without tokens gets a zero gradient.
@@ -21,6 +24,7 @@ Accelerator from tensor descriptors built on the host; the sums are the same.
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import List, Optional, Sequence
 
 import torch
@@ -29,7 +33,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats import FP8_BLOCK
-from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights, padded_scale_columns
+from ..reference import fp4_to_fp8_magnitude_table
+from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights, MXFP4Tensor, padded_scale_columns
 from ._addresses import address_table
 from ._bits import store_rounded
 from ._checks import check_kernel_device
@@ -364,6 +369,53 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
+
+
+def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeights, row_offsets: torch.Tensor,
+                                      out_dtype=torch.bfloat16, tiles: Optional[GemmTiles] = None) -> torch.Tensor:
+    """grouped_gemm_by_weight(mxfp4_to_fp8_rows(rows), weights, row_offsets, ...), bit for bit, with the
+    conversion inside the CUDA kernel: no FP8 copy of the rows in global memory. SM90 GPUs only (the
+    Triton kernels have no such path: elsewhere convert with mxfp4_to_fp8_rows first). rows: the wire
+    rows, 16-byte aligned with a row stride of whole 16 bytes. tiles: CUDA tiles, default_tiles(device,
+    DEFAULT_ROWS_TILES, N) when None."""
+    name = "grouped_gemm_by_weight_from_mxfp4"
+    if not isinstance(rows, MXFP4Tensor):
+        raise TypeError(f"{name}: expected an MXFP4Tensor, got {type(rows).__name__}")
+    if not isinstance(weights, FP8StackedWeights):
+        raise TypeError(f"{name}: expected FP8StackedWeights, got {type(weights).__name__}")
+    num_rows, k = rows.shape
+    num_experts, n, weight_k = weights.data.shape
+    if weight_k != k:
+        raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
+    if n % FP8_BLOCK or k % FP8_BLOCK:
+        raise ValueError(f"{name}: N {n} and K {k} must be multiples of {FP8_BLOCK}")
+    if rows.rows.data_ptr() % 16 or rows.rows.stride(0) % 16:
+        raise ValueError(f"{name}: the kernel copies the MXFP4 rows with TMA: they must start at a 16-byte boundary "
+                         f"with a row stride of whole 16 bytes, got {rows.rows.data_ptr():#x} and stride "
+                         f"{rows.rows.stride(0)}")
+    _check_offsets(name, row_offsets, num_experts, rows.device)
+    if tiles is None:
+        tiles = default_tiles(rows.device, DEFAULT_ROWS_TILES, n)
+    if not tiles.cuda_sm90:
+        raise ValueError(f"{name}: only the CUDA kernel (SM90) converts MXFP4 itself, got {tiles}; elsewhere "
+                         "convert with mxfp4_to_fp8_rows and call grouped_gemm_by_weight")
+    if n % tiles.block_n:
+        raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n}")
+    _check_cuda_launch(name, tiles, grouped_gemm_sm90.ROWS_MXFP4, num_experts,
+                       {"M": num_rows, "E * N": num_experts * n, "K": k}, (weights.data,), (weights.block_scales,),
+                       out_dtype)
+    out = torch.empty(num_rows, n, dtype=out_dtype, device=rows.device)
+    if num_rows:
+        grouped_gemm_sm90.launch_rows_from_mxfp4(
+            rows.data, rows.scales, _e4m3_table(rows.device), weights.data, weights.block_scales, row_offsets,
+            _stored(out), _cuda_output_mode(name, out_dtype), tiles.num_stages, tiles.block_n)
+    return out
+
+
+@lru_cache(maxsize=None)
+def _e4m3_table(device: torch.device) -> torch.Tensor:
+    """The reference's E4M3 bytes of the E2M1 magnitudes per scale gap, as the kernel reads them."""
+    return fp4_to_fp8_magnitude_table(device).view(torch.int32).contiguous()
 
 
 def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dtype=torch.bfloat16,

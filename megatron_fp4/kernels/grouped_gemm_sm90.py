@@ -16,6 +16,10 @@ from ._cuda_runtime import SOURCES, CudaKernel, compile_cubin, tile_map
 THREADS = 3 * 128  # a producer warpgroup and two consumer warpgroups
 MAX_EXPERTS = 1024  # per-expert tables live in shared memory (passed to the kernels' source)
 SHARED_LIMIT = 227 * 1024  # what one block may ask for on Hopper
+# A_MXFP4 (mxfp4_operand.cuh): a stage's codes [128, 64 B], block scale bytes [128, 16 B] (a TMA box
+# row is 16 bytes) and fp32 row scales; the E4M3 table of 256 gaps x 8 bytes.
+_MXFP4_STAGE_BYTES = FP8_BLOCK * (FP8_BLOCK // 2) + FP8_BLOCK * 16 + FP8_BLOCK * 4 + 8
+_E4M3_TABLE_BYTES = 256 * 8
 _ALIGNMENT = 1024  # the swizzled tiles start at 1024-byte boundaries
 # The kernels' OutputMode.
 STORE_BF16, STORE_FP32, ACCUMULATE_FP32 = 0, 1, 2
@@ -32,15 +36,20 @@ class Sm90Gemm:
     name: str
     scales_in_stages: bool  # the weight gradient's stages also hold the step's row and column scales
     tile_counts: bool  # the rows kernel keeps the experts' running row-tile counts
+    a_mxfp4: bool = False  # A comes as MXFP4 rows, converted in the kernel (grouped_rows.cu's A_MXFP4)
 
     def stage_bytes(self, block_n: int) -> int:
-        """A stage: the A tile (128 rows), the B tile (block_n rows), scales, two mbarriers."""
+        """A stage: the A tile (128 rows), the B tile (block_n rows), scales, two mbarriers; with a_mxfp4
+        also A's MXFP4 step and a third mbarrier."""
         scales = (FP8_BLOCK + block_n) * 4 if self.scales_in_stages else 0
-        return FP8_BLOCK * FP8_BLOCK + block_n * FP8_BLOCK + scales + 16
+        mxfp4 = _MXFP4_STAGE_BYTES if self.a_mxfp4 else 0
+        return FP8_BLOCK * FP8_BLOCK + block_n * FP8_BLOCK + scales + mxfp4 + 16
 
     def shared_bytes(self, stages: int, block_n: int) -> int:
-        """The stages, the BF16 output tile, the segment offsets [E + 1], the tile counts [E]."""
+        """The stages, the BF16 output tile, the segment offsets [E + 1], the tile counts [E], the E4M3
+        table."""
         other = FP8_BLOCK * block_n * 2 + 8 * (MAX_EXPERTS + 1) + (4 * MAX_EXPERTS if self.tile_counts else 0)
+        other += _E4M3_TABLE_BYTES if self.a_mxfp4 else 0
         return stages * self.stage_bytes(block_n) + other + _ALIGNMENT
 
     def stage_counts(self, block_n: int) -> range:
@@ -49,6 +58,7 @@ class Sm90Gemm:
 
 WGRAD = Sm90Gemm("grouped_wgrad.cu", "grouped_wgrad_sm90", scales_in_stages=True, tile_counts=False)
 ROWS = Sm90Gemm("grouped_rows.cu", "grouped_rows_sm90", scales_in_stages=False, tile_counts=True)
+ROWS_MXFP4 = Sm90Gemm("grouped_rows.cu", "grouped_rows_sm90", scales_in_stages=False, tile_counts=True, a_mxfp4=True)
 
 
 def check_tiles(name: str, gemm: Sm90Gemm, stages: int, block_n: int) -> None:
@@ -64,8 +74,10 @@ def check_tiles(name: str, gemm: Sm90Gemm, stages: int, block_n: int) -> None:
 def build(gemm: Sm90Gemm, stages: int, block_n: int = FP8_BLOCK):
     """(the kernel, ptxas's report) at `stages` pipeline stages and tiles of block_n columns (compiled
     once per process)."""
-    cubin, report = compile_cubin(os.path.join(SOURCES, gemm.source),
-                                  (("STAGES", stages), ("BLOCK_N", block_n), ("MAX_EXPERTS", MAX_EXPERTS)))
+    defines = (("STAGES", stages), ("BLOCK_N", block_n), ("MAX_EXPERTS", MAX_EXPERTS))
+    if gemm.source == ROWS.source:
+        defines += (("A_MXFP4", int(gemm.a_mxfp4)),)
+    cubin, report = compile_cubin(os.path.join(SOURCES, gemm.source), defines)
     return CudaKernel(cubin, gemm.name, gemm.shared_bytes(stages, block_n)), report
 
 
@@ -148,13 +160,30 @@ def launch_rows(rows_data: torch.Tensor, row_scales: torch.Tensor, weight_data: 
                 stages: int, block_n: int) -> None:
     """Y[rows of e] = X[rows of e] W_e^T into `target` ([M, N], BF16 as int16 or fp32); operands as
     grouped_gemm_by_weight's (weight_data [E, N, K]), checked by it (check_operands, check_device)."""
-    m, k = rows_data.shape
-    num_experts, n, _ = weight_data.shape
     rows_map = tile_map(rows_data, FP8_BLOCK, FP8_BLOCK)
-    kernel, _ = build(ROWS, stages, block_n)
+    _launch_rows(ROWS, rows_map, rows_map, _pointer(row_scales.data_ptr()), _pointer(0), rows_data.shape[0],
+                 weight_data, weight_scales, offsets, target, mode, stages, block_n)
+
+
+def launch_rows_from_mxfp4(codes: torch.Tensor, block_scales: torch.Tensor, e4m3_table: torch.Tensor,
+                           weight_data: torch.Tensor, weight_scales: torch.Tensor, offsets: torch.Tensor,
+                           target: torch.Tensor, mode: int, stages: int, block_n: int) -> None:
+    """launch_rows with X as MXFP4: codes uint8 [M, K / 2] and block_scales uint8 [M, K / 32] (views of
+    the wire rows), converted in the kernel with e4m3_table (int32 [256, 2]); checked by
+    grouped_gemm_by_weight_from_mxfp4."""
+    _launch_rows(ROWS_MXFP4, tile_map(codes, FP8_BLOCK, FP8_BLOCK // 2, swizzled=False),
+                 tile_map(block_scales, FP8_BLOCK, 16, swizzled=False), _pointer(0), _pointer(e4m3_table.data_ptr()),
+                 codes.shape[0], weight_data, weight_scales, offsets, target, mode, stages, block_n)
+
+
+def _launch_rows(gemm: Sm90Gemm, rows_map, block_scale_map, row_scales, e4m3_table, m: int, weight_data: torch.Tensor,
+                 weight_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int, stages: int,
+                 block_n: int) -> None:
+    num_experts, n, k = weight_data.shape
+    kernel, _ = build(gemm, stages, block_n)
     upper_bound_tiles = (-(-m // FP8_BLOCK) + num_experts) * (n // block_n)
-    kernel.launch(rows_data.device, _grid(rows_data.device, upper_bound_tiles), THREADS, [
-        rows_map, tile_map(weight_data.view(num_experts * n, k), block_n, FP8_BLOCK),
-        _out_map(target, m, n, mode, rows_map), _pointer(row_scales.data_ptr()),
-        _pointer(weight_scales.data_ptr()), _pointer(offsets.data_ptr()), _pointer(target.data_ptr()), _int(mode),
-        _int(num_experts), _int(m), _int(n), _int(k), _int(weight_scales.shape[2])])
+    kernel.launch(weight_data.device, _grid(weight_data.device, upper_bound_tiles), THREADS, [
+        rows_map, block_scale_map, tile_map(weight_data.view(num_experts * n, k), block_n, FP8_BLOCK),
+        _out_map(target, m, n, mode, rows_map), row_scales, e4m3_table, _pointer(weight_scales.data_ptr()),
+        _pointer(offsets.data_ptr()), _pointer(target.data_ptr()), _int(mode), _int(num_experts), _int(m), _int(n),
+        _int(k), _int(weight_scales.shape[2])])

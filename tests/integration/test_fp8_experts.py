@@ -56,13 +56,13 @@ def _spread_weights(experts):
     return experts
 
 
-def _inputs(device, seed=5):
+def _inputs(device, seed=5, hidden=HIDDEN):
     g = torch.Generator().manual_seed(seed)
     tokens = sum(COUNTS)
-    raw = torch.randn(tokens, HIDDEN, generator=g) * torch.exp2(torch.randint(-4, 4, (tokens, HIDDEN), generator=g).float())
+    raw = torch.randn(tokens, hidden, generator=g) * torch.exp2(torch.randint(-4, 4, (tokens, hidden), generator=g).float())
     payload = ref.quantize_mxfp4(raw.bfloat16().to(device))
     probs = torch.rand(tokens, generator=g).to(device)
-    grad = (torch.randn(tokens, HIDDEN, generator=g) * 0.1).bfloat16().to(device)
+    grad = (torch.randn(tokens, hidden, generator=g) * 0.1).bfloat16().to(device)
     return payload, probs, grad
 
 
@@ -276,25 +276,37 @@ def test_per_expert_gemms_match_the_grouped_ones(model_parallel, device):
 
 
 @pytest.mark.gpu
-def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device):
-    """On an SM90 GPU the grouped GEMMs default to the CUDA kernels: the layer's output, input and probs
-    gradients and weight gradients equal those of the Triton kernels (ExpertGemms.GROUPED_TRITON) bit
-    for bit."""
+@pytest.mark.parametrize("hidden", [HIDDEN, 512], ids=["fc1_through_fp8_copy", "fc1_reads_mxfp4"])
+def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device, hidden, monkeypatch):
+    """On an SM90 GPU the grouped GEMMs default to the CUDA kernels, and fc1 reads the dispatched MXFP4
+    rows itself where they suit TMA (hidden 512; 256 makes rows of 136 bytes): the layer's output, input
+    and probs gradients and weight gradients equal those of the Triton kernels
+    (ExpertGemms.GROUPED_TRITON) and of the CUDA kernels through the FP8 copy bit for bit."""
+    from megatron_fp4 import kernels as K
     from megatron_fp4.experts import ExpertGemms
 
-    payload, probs, grad = _inputs(device)
+    payload, probs, grad = _inputs(device, hidden=hidden)
     received = ref.dequantize_mxfp4(payload)
-    default = _build(model_parallel, device)
-    on_triton = _build(model_parallel, device)
-    on_triton.gemms = ExpertGemms.GROUPED_TRITON
-    result, expected = _run(default, received, probs, grad, payload), _run(on_triton, received, probs, grad, payload)
-    for name, a, b in [("output", result[0], expected[0]), ("input grad", result[1], expected[1]),
-                       ("probs grad", result[2], expected[2])]:
-        assert torch.equal(a, b), name
-    for e in range(len(COUNTS)):
-        for fc in ("linear_fc1", "linear_fc2"):
-            ours, theirs = (getattr(m.local_experts[e], fc).weight.grad for m in (default, on_triton))
-            assert torch.equal(ours, theirs), (e, fc)
+    layers = {}
+    for gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FP8_COPY, ExpertGemms.GROUPED_TRITON):
+        layers[gemms] = _build(model_parallel, device, hidden_size=hidden)
+        layers[gemms].gemms = gemms
+    reads = []
+    real = K.grouped_gemm_by_weight_from_mxfp4
+    monkeypatch.setattr(K, "grouped_gemm_by_weight_from_mxfp4", lambda *a, **k: reads.append(1) or real(*a, **k))
+    result = _run(layers[ExpertGemms.GROUPED], received, probs, grad, payload)
+    assert len(reads) == (hidden % 512 == 0)
+    for other in (ExpertGemms.GROUPED_FP8_COPY, ExpertGemms.GROUPED_TRITON):
+        expected = _run(layers[other], received, probs, grad, payload)
+        for name, a, b in [("output", result[0], expected[0]), ("input grad", result[1], expected[1]),
+                           ("probs grad", result[2], expected[2])]:
+            assert torch.equal(a, b), (other, name)
+        for e in range(len(COUNTS)):
+            for fc in ("linear_fc1", "linear_fc2"):
+                ours, theirs = (getattr(m.local_experts[e], fc).weight.grad
+                                for m in (layers[ExpertGemms.GROUPED], layers[other]))
+                assert torch.equal(ours, theirs), (other, e, fc)
+    assert len(reads) == (hidden % 512 == 0)
 
 
 def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):

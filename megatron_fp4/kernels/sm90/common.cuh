@@ -159,11 +159,11 @@ __device__ __forceinline__ void stage_bf16(const float (&acc)[64], unsigned char
 }
 
 
-// The shared-memory ring's barriers: `full` completes when a stage's bytes have arrived, `empty` when
-// every consumer warp is done with it.
-__device__ __forceinline__ void init_ring(u32 full, u32 empty) {
+// The shared-memory ring's barriers: `full` completes when a stage's bytes have arrived (and
+// full_arrivals - 1 other arrivals), `empty` when every consumer warp is done with it.
+__device__ __forceinline__ void init_ring(u32 full, u32 empty, u32 full_arrivals = 1) {
     for (int s = 0; s < STAGES; ++s) {
-        barrier_init(full + 8 * s, 1);
+        barrier_init(full + 8 * s, full_arrivals);
         barrier_init(empty + 8 * s, CONSUMER_WARPS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
