@@ -172,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
                     load_tile(codes_at + ring.stage * CODES_BYTES, &rows_map, step * CODES_BOX_BYTES, tile.first_row,
                               codes_bar);
                     load_tile(block_scales_at + ring.stage * BLOCK_SCALE_BYTES, &block_scale_map,
-                              step * BLOCKS_PER_ROW_STEP, tile.first_row, codes_bar);
+                              scales_box_column(step), tile.first_row, codes_bar);
 #else
                     load_tile(a_tiles + ring.stage * OPERAND_BYTES, &rows_map, step * TILE, tile.first_row, bar);
 #endif
@@ -191,7 +191,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
                     convert_step(shared + (codes_at - base) + ring.stage * CODES_BYTES,
                                  shared + (block_scales_at - base) + ring.stage * BLOCK_SCALE_BYTES,
                                  shared + (a_tiles - base) + ring.stage * OPERAND_BYTES,
-                                 const_cast<float*>(stage_row_scales) + ring.stage * TILE, table, converter);
+                                 const_cast<float*>(stage_row_scales) + ring.stage * TILE, table,
+                                 step * BLOCKS_PER_ROW_STEP - scales_box_column(step), converter);
                     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the tensor cores
                     __syncwarp();
                     if (threadIdx.x % 32 == 0) barrier_arrive(full + 8 * ring.stage);

@@ -11,7 +11,7 @@
 // from the reference (megatron_fp4.reference): 2 words per gap, magnitudes 0-3 and 4-7.
 
 constexpr int CODES_BOX_BYTES = TILE / 2;     // a row's packed codes of one step: 128 elements
-constexpr int SCALES_BOX_BYTES = 16;          // a row's E8M0 bytes from the step's on (a TMA box row is 16 bytes)
+constexpr int SCALES_BOX_BYTES = 16;          // a TMA box row: 4 steps' E8M0 bytes of a row
 constexpr int CODES_BYTES = TILE * CODES_BOX_BYTES;
 constexpr int BLOCK_SCALE_BYTES = TILE * SCALES_BOX_BYTES;
 constexpr int ROW_SCALE_BYTES = TILE * 4;     // the step's fp32 scale of each row
@@ -21,6 +21,12 @@ constexpr int CONVERTER_WARPS = 3;            // the producer warpgroup's warps 
 constexpr int BLOCKS_PER_ROW_STEP = TILE / 32;
 constexpr u32 E4M3_NAN_WORD = 0x7F7F7F7Fu;
 constexpr int FP4_TO_FP8_SCALE_BIAS = 127 + 6;
+
+// The first column of the scale box holding a step's 4 bytes: a TMA box starts at a 16-byte boundary
+// of its row (a box at the step's own bytes stopped the kernel with an illegal instruction on H200).
+__device__ __forceinline__ int scales_box_column(int step) {
+    return (step * BLOCKS_PER_ROW_STEP) & ~(SCALES_BOX_BYTES - 1);
+}
 
 // 8 E2M1 codes (element i in bits 4i..4i+3) -> their 8 E4M3 bytes, elements 0-3 in .x and 4-7 in .y.
 // The table word pair gives the magnitudes' bytes (prmt picks a byte by a 3-bit selector); the sign
@@ -54,14 +60,14 @@ __device__ __forceinline__ int largest_finite_byte(u32 bytes) {
 
 // One step's A operand: converter thread `converter` (0 .. 32 * CONVERTER_WARPS - 1) takes MXFP4 blocks
 // (row, block) in turn. codes: [128 rows][64 bytes]; block_scales: [128 rows][16 bytes], the step's 4
-// bytes first; a_tile: the stage's E4M3 tile, 128-byte rows in the 128-byte swizzle (as TMA writes
+// bytes at scale_offset; a_tile: the stage's E4M3 tile, 128-byte rows in the 128-byte swizzle (as TMA writes
 // them for the FP8 operand); row_scales: [128] fp32.
 __device__ __forceinline__ void convert_step(const unsigned char* codes, const unsigned char* block_scales,
                                              unsigned char* a_tile, float* row_scales, const uint2* table,
-                                             int converter) {
+                                             int scale_offset, int converter) {
     for (int item = converter; item < TILE * BLOCKS_PER_ROW_STEP; item += 32 * CONVERTER_WARPS) {
         const int row = item / BLOCKS_PER_ROW_STEP, block = item % BLOCKS_PER_ROW_STEP;
-        const u32 bytes = *reinterpret_cast<const u32*>(block_scales + row * SCALES_BOX_BYTES);
+        const u32 bytes = *reinterpret_cast<const u32*>(block_scales + row * SCALES_BOX_BYTES + scale_offset);
         const int largest = largest_finite_byte(bytes);
         const int byte = (bytes >> (8 * block)) & 0xFF;
         const uint4 words = *reinterpret_cast<const uint4*>(codes + row * CODES_BOX_BYTES + block * 16);
