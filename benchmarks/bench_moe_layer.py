@@ -60,8 +60,8 @@ def parse_args(argv):
     p.add_argument("--gemm-variants", action="store_true",
                    help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT), with "
                    "their weights quantized per use (--moe-fp4-weights-per-use), on the Triton GEMM kernels "
-                   "(ExpertGemms.GROUPED_TRITON; the CUDA ones are the default on SM90), with fc1 through an FP8 copy of "
-                   "the dispatched tokens (ExpertGemms.GROUPED_FP8_COPY; on SM90 the default reads their MXFP4), with the "
+                   "(ExpertGemms.GROUPED_TRITON; the CUDA ones are the default on SM90), with fc1 reading the "
+                   "dispatched MXFP4 tokens itself (ExpertGemms.GROUPED_FROM_MXFP4, SM90 only), with the "
                    "warp-specialized "
                    "Gluon fprop/dgrad kernel (GPU only), and the FP8 baseline behind megatron_fp4's permute (the FP4 "
                    "layers' atomic-free sums, BF16 dispatch)")
@@ -182,8 +182,8 @@ FP4_FP8_WEIGHTS_PER_USE = "FP4 dispatch + FP8 experts, weights quantized per use
 FP4_FP8_WARP_SPECIALIZED = "FP4 dispatch + FP8 experts, warp-specialized fprop/dgrad GEMMs"
 # The grouped GEMMs on the Triton kernels where the CUDA ones are the default (SM90).
 FP4_FP8_TRITON = "FP4 dispatch + FP8 experts, Triton GEMMs"
-# fc1 multiplying an FP8 copy of the dispatched tokens where the CUDA kernel reads their MXFP4 (SM90).
-FP4_FP8_COPY = "FP4 dispatch + FP8 experts, fc1 from an FP8 copy of the tokens"
+# fc1 reading the dispatched MXFP4 tokens itself instead of their FP8 copy (SM90).
+FP4_FP8_FROM_MXFP4 = "FP4 dispatch + FP8 experts, fc1 reads the MXFP4 tokens"
 # The FP8 baseline with the FP4 layers' permute (dispatch/permute.py): what FP4 dispatch adds or saves
 # apart from the permute.
 FP8_BASELINE_LEAN_PERMUTE = "FP8 baseline behind megatron_fp4's permute"
@@ -214,8 +214,9 @@ def experts_layers(args, config, stock, fp4) -> dict:
                                      (FP4_FP8_WEIGHTS_PER_USE, per_use, ExpertGemms.GROUPED),
                                      (FP4_FP8_TRITON, FP4Options(dispatch=True, dispatch_grad=args.grad,
                                                                  experts="fp8"), ExpertGemms.GROUPED_TRITON),
-                                     (FP4_FP8_COPY, FP4Options(dispatch=True, dispatch_grad=args.grad,
-                                                               experts="fp8"), ExpertGemms.GROUPED_FP8_COPY),
+                                     *_cuda_only(FP4_FP8_FROM_MXFP4, FP4Options(dispatch=True, dispatch_grad=args.grad,
+                                                                                experts="fp8"),
+                                                 ExpertGemms.GROUPED_FROM_MXFP4),
                                      *_cuda_only(FP4_FP8_WARP_SPECIALIZED, FP4Options(dispatch=True,
                                                                                       dispatch_grad=args.grad,
                                                                                       experts="fp8"),
@@ -231,11 +232,11 @@ def experts_layers(args, config, stock, fp4) -> dict:
 
 
 def _cuda_only(name, options, gemms):
-    """[(name, options, gemms)] on a GPU; on the CPU (the interpreter runs the Triton kernels) the
-    Gluon kernel cannot run: said, and left out."""
+    """[(name, options, gemms)] on a GPU; on the CPU (the interpreter runs the Triton kernels) a Gluon
+    or CUDA C++ kernel cannot run: said, and left out."""
     if torch.cuda.is_available():
         return [(name, options, gemms)]
-    print(f"{name}: not run (a Gluon kernel, which has no CPU interpreter)")
+    print(f"{name}: not run (its kernel needs a GPU)")
     return []
 
 

@@ -27,7 +27,6 @@ import torch
 
 from .. import kernels as K
 from ..kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS, GemmTiles
-from ..kernels.grouped_gemm_sm90 import is_sm90
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..telemetry import Telemetry
 from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
@@ -42,11 +41,13 @@ class ExpertGemms(Enum):
     """How the experts' FP8 GEMMs run (both compute the same block-scaled products)."""
 
     # One launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py): the CUDA C++ kernels on
-    # SM90 GPUs, the Triton kernels elsewhere (the same bits). On SM90 the fc1 GEMM of dispatched MXFP4
-    # tokens reads them as they are (grouped_gemm_by_weight_from_mxfp4) where their rows suit TMA
-    # (hidden a multiple of 512); elsewhere they are converted to an FP8 copy first. Same bits.
+    # SM90 GPUs, the Triton kernels elsewhere (the same bits). Dispatched MXFP4 tokens are converted to
+    # an FP8 copy for the fc1 GEMM.
     GROUPED = "grouped"
-    GROUPED_FP8_COPY = "grouped_fp8_copy"  # GROUPED, always through the FP8 copy of dispatched MXFP4 tokens
+    # GROUPED with the fc1 GEMM reading the dispatched MXFP4 tokens as they are, no FP8 copy
+    # (grouped_gemm_by_weight_from_mxfp4; SM90 GPUs, hidden a multiple of 512 so that TMA can copy the
+    # rows). The same bits; slower than the copy on H200 so far (docs/kernels.md).
+    GROUPED_FROM_MXFP4 = "grouped_from_mxfp4"
     GROUPED_TRITON = "grouped_triton"  # GROUPED on the Triton kernels on every GPU
     # GROUPED_TRITON with the forward and data-gradient GEMMs on the warp-specialized Gluon kernel
     # (kernels/grouped_fp8_gemm_ws.py; CUDA only, the same bits)
@@ -215,9 +216,8 @@ def _fp8_weights(call: ExpertsCall, name: str, weights, transpose: bool) -> FP8S
 
 def _fc1_reads_mxfp4(gemms: ExpertGemms, payload_rows: torch.Tensor) -> bool:
     """Whether fc1 multiplies the dispatched MXFP4 rows as they are (the same bits as through their FP8
-    copy): the CUDA kernels' default (GROUPED on an SM90 GPU), rows that TMA can copy."""
-    return (gemms is ExpertGemms.GROUPED and is_sm90(payload_rows.device) and payload_rows.data_ptr() % 16 == 0
-            and payload_rows.stride(0) % 16 == 0)
+    copy): asked for, and possible (grouped_gemm_by_weight_from_mxfp4 refuses otherwise, with its reason)."""
+    return gemms is ExpertGemms.GROUPED_FROM_MXFP4
 
 
 def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:
@@ -233,7 +233,7 @@ def _grouped_tiles(gemms: ExpertGemms, triton_tiles: GemmTiles,
     """A grouped GEMM's tiles under `gemms`: None (the device's default, the CUDA kernels on SM90) for
     GROUPED; the Gluon kernel's where the GEMM has one under GROUPED_WARP_SPECIALIZED; else the Triton
     kernel's."""
-    if gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FP8_COPY):
+    if gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FROM_MXFP4):
         return None
     if gemms is ExpertGemms.GROUPED_WARP_SPECIALIZED and warp_specialized is not None:
         return warp_specialized

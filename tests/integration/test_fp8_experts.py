@@ -276,37 +276,42 @@ def test_per_expert_gemms_match_the_grouped_ones(model_parallel, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden", [HIDDEN, 512], ids=["fc1_through_fp8_copy", "fc1_reads_mxfp4"])
-def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device, hidden, monkeypatch):
-    """On an SM90 GPU the grouped GEMMs default to the CUDA kernels, and fc1 reads the dispatched MXFP4
-    rows itself where they suit TMA (hidden 512; 256 makes rows of 136 bytes): the layer's output, input
-    and probs gradients and weight gradients equal those of the Triton kernels
-    (ExpertGemms.GROUPED_TRITON) and of the CUDA kernels through the FP8 copy bit for bit."""
+def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device, monkeypatch):
+    """On an SM90 GPU the grouped GEMMs default to the CUDA kernels, and ExpertGemms.GROUPED_FROM_MXFP4
+    has fc1 read the dispatched MXFP4 rows itself (hidden 512: rows of 272 bytes, which TMA can copy):
+    the layer's output, input and probs gradients and weight gradients equal those of the Triton
+    kernels (ExpertGemms.GROUPED_TRITON) bit for bit. Rows of 136 bytes (hidden 256) are refused."""
     from megatron_fp4 import kernels as K
     from megatron_fp4.experts import ExpertGemms
 
+    hidden = 512
     payload, probs, grad = _inputs(device, hidden=hidden)
     received = ref.dequantize_mxfp4(payload)
     layers = {}
-    for gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FP8_COPY, ExpertGemms.GROUPED_TRITON):
+    for gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FROM_MXFP4, ExpertGemms.GROUPED_TRITON):
         layers[gemms] = _build(model_parallel, device, hidden_size=hidden)
         layers[gemms].gemms = gemms
     reads = []
     real = K.grouped_gemm_by_weight_from_mxfp4
     monkeypatch.setattr(K, "grouped_gemm_by_weight_from_mxfp4", lambda *a, **k: reads.append(1) or real(*a, **k))
-    result = _run(layers[ExpertGemms.GROUPED], received, probs, grad, payload)
-    assert len(reads) == (hidden % 512 == 0)
-    for other in (ExpertGemms.GROUPED_FP8_COPY, ExpertGemms.GROUPED_TRITON):
-        expected = _run(layers[other], received, probs, grad, payload)
+    expected = _run(layers[ExpertGemms.GROUPED_TRITON], received, probs, grad, payload)
+    for gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FROM_MXFP4):
+        reads.clear()
+        result = _run(layers[gemms], received, probs, grad, payload)
+        assert len(reads) == (gemms is ExpertGemms.GROUPED_FROM_MXFP4)
         for name, a, b in [("output", result[0], expected[0]), ("input grad", result[1], expected[1]),
                            ("probs grad", result[2], expected[2])]:
-            assert torch.equal(a, b), (other, name)
+            assert torch.equal(a, b), (gemms, name)
         for e in range(len(COUNTS)):
             for fc in ("linear_fc1", "linear_fc2"):
                 ours, theirs = (getattr(m.local_experts[e], fc).weight.grad
-                                for m in (layers[ExpertGemms.GROUPED], layers[other]))
-                assert torch.equal(ours, theirs), (other, e, fc)
-    assert len(reads) == (hidden % 512 == 0)
+                                for m in (layers[gemms], layers[ExpertGemms.GROUPED_TRITON]))
+                assert torch.equal(ours, theirs), (gemms, e, fc)
+    narrow_payload, narrow_probs, narrow_grad = _inputs(device)
+    narrow = _build(model_parallel, device)
+    narrow.gemms = ExpertGemms.GROUPED_FROM_MXFP4
+    with pytest.raises(ValueError, match="row stride of whole 16 bytes"):
+        _run(narrow, ref.dequantize_mxfp4(narrow_payload), narrow_probs, narrow_grad, narrow_payload)
 
 
 def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):

@@ -58,33 +58,67 @@ __device__ __forceinline__ int largest_finite_byte(u32 bytes) {
     return largest;
 }
 
-// One step's A operand: converter thread `converter` (0 .. 32 * CONVERTER_WARPS - 1) takes MXFP4 blocks
-// (row, block) in turn. codes: [128 rows][64 bytes]; block_scales: [128 rows][16 bytes], the step's 4
-// bytes at scale_offset; a_tile: the stage's E4M3 tile, 128-byte rows in the 128-byte swizzle (as TMA writes
-// them for the FP8 operand); row_scales: [128] fp32.
+// The E4M3 bytes of the 8 magnitudes at gap d: for d <= 11 every nonzero product is an E4M3 normal,
+// (m << 2) + ((12 - d) << 3) for magnitude code m >= 2 and (12 - d) << 3 for 0.5, computed without a
+// memory access; larger gaps read the reference's table. (The test of every code at every gap holds both
+// to the reference.)
+__device__ __forceinline__ uint2 magnitude_bytes(int gap, const uint2* table) {
+    if (gap > 11) return table[gap];
+    const u32 base = (u32)(12 - gap) << 3;
+    return make_uint2(base * 0x01010100u + 0x0C080000u, base * 0x01010101u + 0x1C181410u);
+}
+
+constexpr int CONVERTER_THREADS = 32 * CONVERTER_WARPS;
+constexpr int STEP_BLOCKS = TILE * BLOCKS_PER_ROW_STEP;  // a step's MXFP4 blocks: 128 rows x 4
+
+struct BlockInput {  // one MXFP4 block of a step as read from the stage
+    uint4 codes;
+    u32 row_bytes;  // the row's 4 scale bytes of the step
+};
+
+__device__ __forceinline__ BlockInput read_block(const unsigned char* codes, const unsigned char* block_scales,
+                                                 int scale_offset, int item) {
+    const int row = item / BLOCKS_PER_ROW_STEP, block = item % BLOCKS_PER_ROW_STEP;
+    return BlockInput{*reinterpret_cast<const uint4*>(codes + row * CODES_BOX_BYTES + block * 16),
+                      *reinterpret_cast<const u32*>(block_scales + row * SCALES_BOX_BYTES + scale_offset)};
+}
+
+// Block `item` (row item / 4, block item % 4) into the stage's E4M3 tile (128-byte rows in the 128-byte
+// swizzle, as TMA writes the FP8 operand) and, for block 0, the row's scale.
+__device__ __forceinline__ void write_block(const BlockInput& in, unsigned char* a_tile, float* row_scales,
+                                            const uint2* table, int item) {
+    const int row = item / BLOCKS_PER_ROW_STEP, block = item % BLOCKS_PER_ROW_STEP;
+    const int largest = largest_finite_byte(in.row_bytes);
+    const int byte = (in.row_bytes >> (8 * block)) & 0xFF;
+    uint4 first, second;  // elements 0-15 and 16-31 of the block
+    if (byte == 255) {
+        first = second = make_uint4(E4M3_NAN_WORD, E4M3_NAN_WORD, E4M3_NAN_WORD, E4M3_NAN_WORD);
+    } else {
+        const uint2 entry = magnitude_bytes(largest - byte, table);
+        const uint2 e0 = e4m3_of_codes(in.codes.x, entry), e1 = e4m3_of_codes(in.codes.y, entry);
+        const uint2 e2 = e4m3_of_codes(in.codes.z, entry), e3 = e4m3_of_codes(in.codes.w, entry);
+        first = make_uint4(e0.x, e0.y, e1.x, e1.y);
+        second = make_uint4(e2.x, e2.y, e3.x, e3.y);
+    }
+    // The block's 32 bytes are 16-byte chunks 2 * block and 2 * block + 1 of the row, swizzled by row % 8.
+    unsigned char* line = a_tile + row * TILE;
+    *reinterpret_cast<uint4*>(line + ((2 * block) ^ (row % 8)) * 16) = first;
+    *reinterpret_cast<uint4*>(line + ((2 * block + 1) ^ (row % 8)) * 16) = second;
+    if (block == 0) row_scales[row] = pow2_fp32(largest - FP4_TO_FP8_SCALE_BIAS);
+}
+
+// One step's A operand: converter thread `converter` (0 .. CONVERTER_THREADS - 1) takes the step's blocks
+// (row, block) in turn, two at a time so that the second's reads overlap the first's conversion. codes:
+// [128 rows][64 bytes]; block_scales: [128 rows][16 bytes], the step's 4 bytes at scale_offset;
+// row_scales: [128] fp32.
 __device__ __forceinline__ void convert_step(const unsigned char* codes, const unsigned char* block_scales,
                                              unsigned char* a_tile, float* row_scales, const uint2* table,
                                              int scale_offset, int converter) {
-    for (int item = converter; item < TILE * BLOCKS_PER_ROW_STEP; item += 32 * CONVERTER_WARPS) {
-        const int row = item / BLOCKS_PER_ROW_STEP, block = item % BLOCKS_PER_ROW_STEP;
-        const u32 bytes = *reinterpret_cast<const u32*>(block_scales + row * SCALES_BOX_BYTES + scale_offset);
-        const int largest = largest_finite_byte(bytes);
-        const int byte = (bytes >> (8 * block)) & 0xFF;
-        const uint4 words = *reinterpret_cast<const uint4*>(codes + row * CODES_BOX_BYTES + block * 16);
-        uint4 first, second;  // elements 0-15 and 16-31 of the block
-        if (byte == 255) {
-            first = second = make_uint4(E4M3_NAN_WORD, E4M3_NAN_WORD, E4M3_NAN_WORD, E4M3_NAN_WORD);
-        } else {
-            const uint2 entry = table[largest - byte];
-            const uint2 e0 = e4m3_of_codes(words.x, entry), e1 = e4m3_of_codes(words.y, entry);
-            const uint2 e2 = e4m3_of_codes(words.z, entry), e3 = e4m3_of_codes(words.w, entry);
-            first = make_uint4(e0.x, e0.y, e1.x, e1.y);
-            second = make_uint4(e2.x, e2.y, e3.x, e3.y);
-        }
-        // The block's 32 bytes are 16-byte chunks 2 * block and 2 * block + 1 of the row, swizzled by row % 8.
-        unsigned char* line = a_tile + row * TILE;
-        *reinterpret_cast<uint4*>(line + ((2 * block) ^ (row % 8)) * 16) = first;
-        *reinterpret_cast<uint4*>(line + ((2 * block + 1) ^ (row % 8)) * 16) = second;
-        if (block == 0) row_scales[row] = pow2_fp32(largest - FP4_TO_FP8_SCALE_BIAS);
+    for (int item = converter; item < STEP_BLOCKS; item += 2 * CONVERTER_THREADS) {
+        const int next = item + CONVERTER_THREADS;
+        const BlockInput first = read_block(codes, block_scales, scale_offset, item);
+        const BlockInput second = read_block(codes, block_scales, scale_offset, min(next, STEP_BLOCKS - 1));
+        write_block(first, a_tile, row_scales, table, item);
+        if (next < STEP_BLOCKS) write_block(second, a_tile, row_scales, table, next);
     }
 }
