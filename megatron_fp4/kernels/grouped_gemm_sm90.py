@@ -16,12 +16,9 @@ from ._cuda_runtime import SOURCES, CudaKernel, compile_cubin, tile_map
 THREADS = 3 * 128  # a producer warpgroup and two consumer warpgroups
 MAX_EXPERTS = 1024  # per-expert tables live in shared memory (passed to the kernels' source)
 SHARED_LIMIT = 227 * 1024  # what one block may ask for on Hopper
-# A_MXFP4 (mxfp4_operand.cuh): MXFP4_SLOTS slots of a step's codes [128, 64 B] and block scale bytes
-# [128, 16 B] (a TMA box row is 16 bytes) with their mbarrier, fp32 row scales per stage, the E4M3 table
-# of 256 gaps x 8 bytes.
-MXFP4_SLOTS = 4
-_MXFP4_SLOT_BYTES = FP8_BLOCK * (FP8_BLOCK // 2) + FP8_BLOCK * 16 + 8
-_ROW_SCALE_BYTES = FP8_BLOCK * 4
+# A_MXFP4 (mxfp4_operand.cuh): a stage's codes [128, 64 B], block scale bytes [128, 16 B] (a TMA box
+# row is 16 bytes) and fp32 row scales; the E4M3 table of 256 gaps x 8 bytes.
+_MXFP4_STAGE_BYTES = FP8_BLOCK * (FP8_BLOCK // 2) + FP8_BLOCK * 16 + FP8_BLOCK * 4 + 8
 _E4M3_TABLE_BYTES = 256 * 8
 _ALIGNMENT = 1024  # the swizzled tiles start at 1024-byte boundaries
 # The kernels' OutputMode.
@@ -43,16 +40,16 @@ class Sm90Gemm:
 
     def stage_bytes(self, block_n: int) -> int:
         """A stage: the A tile (128 rows), the B tile (block_n rows), scales, two mbarriers; with a_mxfp4
-        also A's row scales."""
+        also A's MXFP4 step and a third mbarrier."""
         scales = (FP8_BLOCK + block_n) * 4 if self.scales_in_stages else 0
-        scales += _ROW_SCALE_BYTES if self.a_mxfp4 else 0
-        return FP8_BLOCK * FP8_BLOCK + block_n * FP8_BLOCK + scales + 16
+        mxfp4 = _MXFP4_STAGE_BYTES if self.a_mxfp4 else 0
+        return FP8_BLOCK * FP8_BLOCK + block_n * FP8_BLOCK + scales + mxfp4 + 16
 
     def shared_bytes(self, stages: int, block_n: int) -> int:
-        """The stages, the BF16 output tile, the segment offsets [E + 1], the tile counts [E]; with a_mxfp4
-        the MXFP4 slots and the E4M3 table."""
+        """The stages, the BF16 output tile, the segment offsets [E + 1], the tile counts [E], the E4M3
+        table."""
         other = FP8_BLOCK * block_n * 2 + 8 * (MAX_EXPERTS + 1) + (4 * MAX_EXPERTS if self.tile_counts else 0)
-        other += MXFP4_SLOTS * _MXFP4_SLOT_BYTES + _E4M3_TABLE_BYTES if self.a_mxfp4 else 0
+        other += _E4M3_TABLE_BYTES if self.a_mxfp4 else 0
         return stages * self.stage_bytes(block_n) + other + _ALIGNMENT
 
     def stage_counts(self, block_n: int) -> range:
@@ -79,7 +76,7 @@ def build(gemm: Sm90Gemm, stages: int, block_n: int = FP8_BLOCK):
     once per process)."""
     defines = (("STAGES", stages), ("BLOCK_N", block_n), ("MAX_EXPERTS", MAX_EXPERTS))
     if gemm.source == ROWS.source:
-        defines += (("A_MXFP4", int(gemm.a_mxfp4)), ("MXFP4_SLOTS", MXFP4_SLOTS))
+        defines += (("A_MXFP4", int(gemm.a_mxfp4)),)
     cubin, report = compile_cubin(os.path.join(SOURCES, gemm.source), defines)
     return CudaKernel(cubin, gemm.name, gemm.shared_bytes(stages, block_n)), report
 

@@ -120,18 +120,16 @@ __device__ __forceinline__ void wgmma_64x128x32(float (&d)[64], u64 a, u64 b, in
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-template <int SLOTS>
-struct RingOf {  // where the next step goes in a ring of SLOTS stages, and the parity of its round
+struct Ring {  // where the next step goes in the ring of stages, and the parity of its round
     int stage = 0;
     u32 parity = 0;
     __device__ __forceinline__ void advance() {
-        if (++stage == SLOTS) {
+        if (++stage == STAGES) {
             stage = 0;
             parity ^= 1;
         }
     }
 };
-using Ring = RingOf<STAGES>;
 
 // Two fp32 values as BF16 bits, rounded to nearest even, NaN as 0x7FC0: the rule of the Triton kernels
 // (_bits.fp32_to_bf16_bits), so that both write the same bits.

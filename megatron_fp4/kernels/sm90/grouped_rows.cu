@@ -16,12 +16,10 @@
 // row scales start at any row, too unaligned for a bulk copy).
 //
 // Compiled with A_MXFP4=1, X comes as MXFP4 rows instead (packed E2M1 codes [M, K / 2] and E8M0 block
-// scales [M, K / 32], the dispatch's wire rows): the producer warpgroup's other three warps copy each
-// step's codes and block scales into a ring of MXFP4_SLOTS slots of their own (up to MXFP4_SLOTS steps
-// ahead), convert them into the stage's E4M3 tile and row scales (mxfp4_operand.cuh) once the
-// consumers have freed it, and the consumers read both from the stage; the producer copies the weights.
-// The products are the bits of mxfp4_to_fp8_rows followed by the FP8 kernel, without the FP8 copy of X
-// in global memory.
+// scales [M, K / 32], the dispatch's wire rows): the producer copies each step's codes and block scales
+// into the stage, the producer warpgroup's other three warps convert them there into the E4M3 tile and
+// its row scales (mxfp4_operand.cuh), and the consumers read both from the stage. The products are the
+// bits of mxfp4_to_fp8_rows followed by the FP8 kernel, without the FP8 copy of X in global memory.
 
 #include "common.cuh"
 
@@ -30,31 +28,11 @@
 #endif
 #if A_MXFP4
 #include "mxfp4_operand.cuh"
-#if !defined(MXFP4_SLOTS)
-#error "compile with -DMXFP4_SLOTS=... (grouped_gemm_sm90.build)"
-#endif
 constexpr int STEP_BYTES = B_TILE_BYTES;  // what the producer's copies of the weights bring; the A tile is converted
 constexpr u32 FULL_ARRIVALS = 1 + CONVERTER_WARPS;
-// Registers per thread of the roles (65536 in all): the converters hold more state than a copying thread.
-constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
-
-// This CTA's steps in order (its tiles, k_steps each): the converters' copies run ahead on one.
-struct StepCursor {
-    int t, step;
-    __device__ __forceinline__ void advance(int k_steps) {
-        if (++step == k_steps) {
-            step = 0;
-            t += gridDim.x;
-        }
-    }
-};
-
-// The converters' own barrier: every one of them is done with an MXFP4 slot.
-__device__ __forceinline__ void sync_converters() { asm volatile("bar.sync 5, %0;" ::"n"(32 * CONVERTER_WARPS) : "memory"); }
 #else
 constexpr int STEP_BYTES = OPERAND_BYTES + B_TILE_BYTES;
 constexpr u32 FULL_ARRIVALS = 1;
-constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;  // per thread of the roles (65536 in all)
 #endif
 
 struct Tile {
@@ -134,11 +112,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
     const u32 a_tiles = base, b_tiles = base + STAGES * OPERAND_BYTES;
     const u32 out_tile_at = b_tiles + STAGES * B_TILE_BYTES;
 #if A_MXFP4
-    // Per MXFP4 slot: a step's codes and block scales as copied (1024-byte aligned, as the tiles); per
-    // stage the row scales the converters write; then the E4M3 table.
+    // Per stage: the step's codes and block scales as copied (1024-byte aligned, as the tiles), and the
+    // row scales the converters write; then the E4M3 table.
     const u32 codes_at = out_tile_at + OUT_TILE_BYTES;
-    const u32 block_scales_at = codes_at + MXFP4_SLOTS * CODES_BYTES;
-    const u32 stage_row_scales_at = block_scales_at + MXFP4_SLOTS * BLOCK_SCALE_BYTES;
+    const u32 block_scales_at = codes_at + STAGES * CODES_BYTES;
+    const u32 stage_row_scales_at = block_scales_at + STAGES * BLOCK_SCALE_BYTES;
     const u32 table_at = stage_row_scales_at + STAGES * ROW_SCALE_BYTES;
     const u32 offsets_at = table_at + GAPS * 8;
 #else
@@ -146,8 +124,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
 #endif
     const u32 tile_ends_at = offsets_at + 8 * (MAX_EXPERTS + 1);
 #if A_MXFP4
-    const u32 copied = tile_ends_at + 4 * MAX_EXPERTS;  // barriers: a slot's codes and block scales have arrived
-    const u32 full = copied + MXFP4_SLOTS * 8;
+    const u32 copied = tile_ends_at + 4 * MAX_EXPERTS;  // barriers: the step's codes and block scales have arrived
+    const u32 full = copied + STAGES * 8;
     uint2* const table = reinterpret_cast<uint2*>(shared + (table_at - base));
     const float* const stage_row_scales = reinterpret_cast<const float*>(shared + (stage_row_scales_at - base));
 #else
@@ -169,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
         check_layout(shared_raw, empty + 8 * STAGES);
         init_ring(full, empty, FULL_ARRIVALS);
 #if A_MXFP4
-        for (int s = 0; s < MXFP4_SLOTS; ++s) barrier_init(copied + 8 * s, 1);
+        for (int s = 0; s < STAGES; ++s) barrier_init(copied + 8 * s, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
     }
@@ -180,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
     Ring ring;
     if (warpgroup == 0) {  // the producer
         // Each role is one branch of this if / else, so that ptxas gives each its register budget.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGISTERS));
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x == 0) {  // one thread issues every copy
             for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
                 const Tile tile = tile_at(t, row_tiles, col_tiles, tile_ends, segment, num_experts, m);
@@ -188,7 +166,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
                 for (int step = 0; step < k_steps; ++step) {
                     barrier_wait(empty + 8 * ring.stage, ring.parity ^ 1);
                     const u32 bar = full + 8 * ring.stage;
-#if !A_MXFP4
+#if A_MXFP4
+                    const u32 codes_bar = copied + 8 * ring.stage;
+                    barrier_expect_bytes(codes_bar, MXFP4_STEP_BYTES);
+                    load_tile(codes_at + ring.stage * CODES_BYTES, &rows_map, step * CODES_BOX_BYTES, tile.first_row,
+                              codes_bar);
+                    load_tile(block_scales_at + ring.stage * BLOCK_SCALE_BYTES, &block_scale_map,
+                              scales_box_column(step), tile.first_row, codes_bar);
+#else
                     load_tile(a_tiles + ring.stage * OPERAND_BYTES, &rows_map, step * TILE, tile.first_row, bar);
 #endif
                     barrier_expect_bytes(bar, STEP_BYTES);
@@ -200,46 +185,24 @@ extern "C" __global__ void __launch_bounds__(384, 1) grouped_rows_sm90(
 #if A_MXFP4
         else if (threadIdx.x >= 32) {  // the converters: each step's A tile and row scales into its stage
             const int converter = threadIdx.x - 32;
-            const bool copies = converter == 0;  // the thread that copies the MXFP4 steps into their slots
-            // Step `at` of this CTA's order into MXFP4 slot `slot`.
-            auto copy_step = [&](StepCursor at, int slot) {
-                const int first_row = tile_at(at.t, row_tiles, col_tiles, tile_ends, segment, num_experts, m).first_row;
-                const u32 bar = copied + 8 * slot;
-                barrier_expect_bytes(bar, MXFP4_STEP_BYTES);
-                load_tile(codes_at + slot * CODES_BYTES, &rows_map, at.step * CODES_BOX_BYTES, first_row, bar);
-                load_tile(block_scales_at + slot * BLOCK_SCALE_BYTES, &block_scale_map, scales_box_column(at.step),
-                          first_row, bar);
-            };
-            StepCursor ahead{(int)blockIdx.x, 0};  // the next step to copy: MXFP4_SLOTS ahead of the conversion
-            for (int slot = 0; slot < MXFP4_SLOTS && ahead.t < num_tiles; ++slot, ahead.advance(k_steps)) {
-                if (copies) copy_step(ahead, slot);
-            }
-            RingOf<MXFP4_SLOTS> mxfp4;
             for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
                 for (int step = 0; step < k_steps; ++step) {
-                    barrier_wait(copied + 8 * mxfp4.stage, mxfp4.parity);
-                    barrier_wait(empty + 8 * ring.stage, ring.parity ^ 1);  // the consumers are done with the stage
-                    convert_step(shared + (codes_at - base) + mxfp4.stage * CODES_BYTES,
-                                 shared + (block_scales_at - base) + mxfp4.stage * BLOCK_SCALE_BYTES,
+                    barrier_wait(copied + 8 * ring.stage, ring.parity);
+                    convert_step(shared + (codes_at - base) + ring.stage * CODES_BYTES,
+                                 shared + (block_scales_at - base) + ring.stage * BLOCK_SCALE_BYTES,
                                  shared + (a_tiles - base) + ring.stage * OPERAND_BYTES,
                                  const_cast<float*>(stage_row_scales) + ring.stage * TILE, table,
                                  step * BLOCKS_PER_ROW_STEP - scales_box_column(step), converter);
                     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the tensor cores
                     __syncwarp();
                     if (threadIdx.x % 32 == 0) barrier_arrive(full + 8 * ring.stage);
-                    sync_converters();  // the slot is free: it takes the step MXFP4_SLOTS ahead
-                    if (ahead.t < num_tiles) {
-                        if (copies) copy_step(ahead, mxfp4.stage);
-                        ahead.advance(k_steps);
-                    }
-                    mxfp4.advance();
                     ring.advance();
                 }
             }
         }
 #endif
     } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGISTERS));
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int consumer = warpgroup - 1;  // its 64 rows of each tile
         const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
         const bool issues_stores = threadIdx.x % 128 == 0;  // the warpgroup's thread that starts its copies out
