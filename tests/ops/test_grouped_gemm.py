@@ -113,11 +113,15 @@ def test_grouped_gemm_without_rows(device):
     assert y.shape == (0, 128)
 
 
-def _cols_operands(counts, n, k, device, seed):
+def _cols_operands(counts, n, k, device, seed, nan_token=None):
+    """dY^T and X^T of ragged segments; nan_token: that token's X holds a NaN in column 3 (so its
+    expert's weight gradient has a NaN column)."""
     g = torch.Generator().manual_seed(seed)
     m = sum(counts)
     grad = (torch.randn(m, n, generator=g) * torch.exp2(torch.randint(-8, 8, (m, 1), generator=g).float())).bfloat16()
     x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-8, 8, (m, k), generator=g).float())).bfloat16()
+    if nan_token is not None:
+        x[nan_token, 3] = float("nan")
     counts_device = torch.tensor(counts).to(device)
     return K.quantize_fp8_cols(grad.to(device), counts_device), K.quantize_fp8_cols(x.to(device), counts_device)
 
@@ -351,10 +355,14 @@ def _cuda_tiles(kernel: str, columns: int):
 def test_cuda_wgrad_gives_the_triton_kernels_bits(n, k, counts):
     """The CUDA kernel sums the same products in the same order as the Triton kernel: equal bits in
     BF16 and fp32 and when adding into fp32 buffers, on ragged segments with empty and one-token
-    experts, at every stage count, also with fewer K steps than stages."""
-    grad_cols, x_cols = _cols_operands(counts, n, k, "cuda", seed=27)
+    experts, at every stage count, also with fewer K steps than stages; the first token's X holds a NaN,
+    so its expert's gradient has a NaN column (BF16 NaN 0x7FC0 as in the Triton kernel)."""
+    grad_cols, x_cols = _cols_operands(counts, n, k, "cuda", seed=27, nan_token=0)
+    nan_expert = next(e for e, count in enumerate(counts) if count)
     for out_dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
         expected = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=DEFAULT_WGRAD_TILES).view(bits)
+        assert torch.isnan(expected.view(out_dtype)[nan_expert, :, 3]).all()
+        assert torch.isnan(expected.view(out_dtype)).sum() == n
         for tiles in _cuda_tiles("WGRAD", k):
             ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=tiles)
             assert torch.equal(ours.view(bits), expected), f"{out_dtype}, {tiles}"
@@ -364,7 +372,7 @@ def test_cuda_wgrad_gives_the_triton_kernels_bits(n, k, counts):
         ours = [torch.full((n, k), 0.25, device="cuda") for _ in counts]
         K.grouped_wgrad(grad_cols, x_cols, accumulate_into=ours, tiles=tiles)
         for e, (mine, theirs) in enumerate(zip(ours, expected)):
-            assert torch.equal(mine, theirs), f"expert {e}, {tiles}"
+            assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32)), f"expert {e}, {tiles}"
 
 
 @pytest.mark.gpu
