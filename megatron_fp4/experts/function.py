@@ -46,7 +46,8 @@ class ExpertGemms(Enum):
     GROUPED = "grouped"
     # GROUPED with the fc1 GEMM reading the dispatched MXFP4 tokens as they are, no FP8 copy
     # (grouped_gemm_by_weight_from_mxfp4; SM90 GPUs, hidden a multiple of 512 so that TMA can copy the
-    # rows). The same bits; slower than the copy on H200 so far (docs/kernels.md).
+    # rows, refused otherwise). The same bits; slower than the copy on H200 so far (docs/kernels.md).
+    # Tokens that arrive in BF16 (no MXFP4 dispatch) have no MXFP4 to read: they are quantized to FP8.
     GROUPED_FROM_MXFP4 = "grouped_from_mxfp4"
     GROUPED_TRITON = "grouped_triton"  # GROUPED on the Triton kernels on every GPU
     # GROUPED_TRITON with the forward and data-gradient GEMMs on the warp-specialized Gluon kernel
@@ -105,7 +106,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         dtype = tokens.dtype
 
         fc1_fp8_weights = _fp8_weights(call, "fc1", fc1_weights, False)
-        if payload_rows is not None and _fc1_reads_mxfp4(call.gemms, payload_rows):
+        if payload_rows is not None and call.gemms is ExpertGemms.GROUPED_FROM_MXFP4:
             fc1_out = K.grouped_gemm_by_weight_from_mxfp4(MXFP4Tensor(payload_rows, hidden, call.scale_rule),
                                                           fc1_fp8_weights, segments.row_offsets_device, dtype)
         else:
@@ -212,12 +213,6 @@ def _release_saved_fp4(ctx) -> None:
 
 def _fp8_weights(call: ExpertsCall, name: str, weights, transpose: bool) -> FP8StackedWeights:
     return fp8_weights(call.weight_cache, name, weights, transpose)
-
-
-def _fc1_reads_mxfp4(gemms: ExpertGemms, payload_rows: torch.Tensor) -> bool:
-    """Whether fc1 multiplies the dispatched MXFP4 rows as they are (the same bits as through their FP8
-    copy): asked for, and possible (grouped_gemm_by_weight_from_mxfp4 refuses otherwise, with its reason)."""
-    return gemms is ExpertGemms.GROUPED_FROM_MXFP4
 
 
 def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:

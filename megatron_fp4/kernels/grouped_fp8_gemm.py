@@ -24,7 +24,6 @@ Accelerator from tensor descriptors built on the host; the sums are the same.
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import List, Optional, Sequence
 
 import torch
@@ -32,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..formats import FP8_BLOCK
+from ..formats import FP8_BLOCK, MXFP4_BLOCK
 from ..reference import fp4_to_fp8_magnitude_table
 from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights, MXFP4Tensor, padded_scale_columns
 from ._addresses import address_table
@@ -376,7 +375,8 @@ def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeig
     """grouped_gemm_by_weight(mxfp4_to_fp8_rows(rows), weights, row_offsets, ...), bit for bit, with the
     conversion inside the CUDA kernel: no FP8 copy of the rows in global memory. SM90 GPUs only (the
     Triton kernels have no such path: elsewhere convert with mxfp4_to_fp8_rows first). rows: the wire
-    rows, 16-byte aligned with a row stride of whole 16 bytes. tiles: CUDA tiles, default_tiles(device,
+    rows, K a multiple of 512 and 16-byte aligned with a row stride of whole 16 bytes (the kernel copies
+    codes and scale bytes by TMA, whose rows are whole 16 bytes). tiles: CUDA tiles, default_tiles(device,
     DEFAULT_ROWS_TILES, N) when None."""
     name = "grouped_gemm_by_weight_from_mxfp4"
     if not isinstance(rows, MXFP4Tensor):
@@ -387,20 +387,25 @@ def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeig
     num_experts, n, weight_k = weights.data.shape
     if weight_k != k:
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
-    if n % FP8_BLOCK or k % FP8_BLOCK:
-        raise ValueError(f"{name}: N {n} and K {k} must be multiples of {FP8_BLOCK}")
-    if rows.rows.data_ptr() % 16 or rows.rows.stride(0) % 16:
-        raise ValueError(f"{name}: the kernel copies the MXFP4 rows with TMA: they must start at a 16-byte boundary "
-                         f"with a row stride of whole 16 bytes, got {rows.rows.data_ptr():#x} and stride "
-                         f"{rows.rows.stride(0)}")
+    if weights.data.device != rows.device:
+        raise ValueError(f"{name}: the rows are on {rows.device}, the weights on {weights.data.device}")
     _check_offsets(name, row_offsets, num_experts, rows.device)
     if tiles is None:
         tiles = default_tiles(rows.device, DEFAULT_ROWS_TILES, n)
     if not tiles.cuda_sm90:
         raise ValueError(f"{name}: only the CUDA kernel (SM90) converts MXFP4 itself, got {tiles}; elsewhere "
                          "convert with mxfp4_to_fp8_rows and call grouped_gemm_by_weight")
+    _check_tiles(name, tiles, n, k)
     if n % tiles.block_n:
         raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n}")
+    if k % _TMA_MXFP4_K:
+        raise ValueError(f"{name}: K must be a multiple of {_TMA_MXFP4_K}, got {k}: the kernel copies a row's "
+                         f"K / 32 scale bytes by TMA, in rows of whole 16 bytes; convert with mxfp4_to_fp8_rows and "
+                         "call grouped_gemm_by_weight")
+    if rows.rows.data_ptr() % 16 or rows.rows.stride(0) % 16:
+        raise ValueError(f"{name}: the kernel copies the MXFP4 rows with TMA: they must start at a 16-byte boundary "
+                         f"with a row stride of whole 16 bytes, got {rows.rows.data_ptr():#x} and stride "
+                         f"{rows.rows.stride(0)}")
     _check_cuda_launch(name, tiles, grouped_gemm_sm90.ROWS_MXFP4, num_experts,
                        {"M": num_rows, "E * N": num_experts * n, "K": k}, (weights.data,), (weights.block_scales,),
                        out_dtype)
@@ -412,10 +417,20 @@ def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeig
     return out
 
 
-@lru_cache(maxsize=None)
+_TMA_MXFP4_K = 16 * MXFP4_BLOCK  # K / 32 scale bytes a row: whole 16 bytes
+
+
 def _e4m3_table(device: torch.device) -> torch.Tensor:
-    """The reference's E4M3 bytes of the E2M1 magnitudes per scale gap, as the kernel reads them."""
-    return fp4_to_fp8_magnitude_table(device).view(torch.int32).contiguous()
+    """The reference's E4M3 bytes of the E2M1 magnitudes per scale gap, as the kernel reads them: built
+    once per device (on the CPU, then copied), never inside a CUDA graph capture, where the copy would
+    only be recorded."""
+    if device not in _E4M3_TABLES and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("grouped_gemm_by_weight_from_mxfp4: call it once before capturing a CUDA graph (its "
+                           "conversion table is copied to the GPU at the first call)")
+    return _E4M3_TABLES.setdefault(device, fp4_to_fp8_magnitude_table().view(torch.int32).to(device))
+
+
+_E4M3_TABLES = {}
 
 
 def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dtype=torch.bfloat16,

@@ -280,7 +280,7 @@ def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device, monke
     """On an SM90 GPU the grouped GEMMs default to the CUDA kernels, and ExpertGemms.GROUPED_FROM_MXFP4
     has fc1 read the dispatched MXFP4 rows itself (hidden 512: rows of 272 bytes, which TMA can copy):
     the layer's output, input and probs gradients and weight gradients equal those of the Triton
-    kernels (ExpertGemms.GROUPED_TRITON) bit for bit. Rows of 136 bytes (hidden 256) are refused."""
+    kernels (ExpertGemms.GROUPED_TRITON) bit for bit. Hidden 256 (8 scale bytes a row) is refused."""
     from megatron_fp4 import kernels as K
     from megatron_fp4.experts import ExpertGemms
 
@@ -310,7 +310,7 @@ def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device, monke
     narrow_payload, narrow_probs, narrow_grad = _inputs(device)
     narrow = _build(model_parallel, device)
     narrow.gemms = ExpertGemms.GROUPED_FROM_MXFP4
-    with pytest.raises(ValueError, match="row stride of whole 16 bytes"):
+    with pytest.raises(ValueError, match="K must be a multiple of 512"):
         _run(narrow, ref.dequantize_mxfp4(narrow_payload), narrow_probs, narrow_grad, narrow_payload)
 
 

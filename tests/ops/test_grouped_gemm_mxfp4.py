@@ -74,7 +74,8 @@ def test_the_magnitude_table_is_the_reference_conversion():
 
 def test_refusals(device):
     """Each refused with its reason before anything runs: not MXFP4, Triton tiles (the Triton kernels
-    have no MXFP4 path), rows TMA cannot copy, K that differs from the weights', and off an SM90 GPU."""
+    have no MXFP4 path), changed CUDA tiles, K not a multiple of 512 or rows TMA cannot copy, K that
+    differs from the weights', and off an SM90 GPU."""
     rows = _hard_rows(16, 512, device, seed=1)
     weights = _weights(2, 256, 512, device, seed=2)
     offsets = _offsets([10, 6], device)
@@ -82,9 +83,16 @@ def test_refusals(device):
         K.grouped_gemm_by_weight_from_mxfp4(K.mxfp4_to_fp8_rows(rows), weights, offsets)
     with pytest.raises(ValueError, match="only the CUDA kernel"):
         K.grouped_gemm_by_weight_from_mxfp4(rows, weights, offsets, tiles=DEFAULT_ROWS_TILES)
-    narrow = _hard_rows(16, 256, device, seed=3)  # rows of 136 bytes
-    with pytest.raises(ValueError, match="row stride of whole 16 bytes"):
+    narrow = _hard_rows(16, 256, device, seed=3)  # 8 scale bytes a row
+    with pytest.raises(ValueError, match="K must be a multiple of 512"):
         K.grouped_gemm_by_weight_from_mxfp4(narrow, _weights(2, 256, 256, device, seed=4), offsets, tiles=CUDA_TILES)
+    padded = torch.zeros(16, rows.rows.shape[1] + 8, dtype=torch.uint8, device=device)
+    padded[:, :rows.rows.shape[1]] = rows.rows  # rows of 272 bytes, 280 apart
+    with pytest.raises(ValueError, match="row stride of whole 16 bytes"):
+        K.grouped_gemm_by_weight_from_mxfp4(MXFP4Tensor(padded[:, :rows.rows.shape[1]], 512), weights, offsets,
+                                            tiles=CUDA_TILES)
+    with pytest.raises(ValueError, match="CUDA kernel takes"):
+        K.grouped_gemm_by_weight_from_mxfp4(rows, weights, offsets, tiles=dataclasses.replace(CUDA_TILES, block_m=64))
     with pytest.raises(ValueError, match="the weights 1024"):
         K.grouped_gemm_by_weight_from_mxfp4(rows, _weights(2, 256, 1024, device, seed=5), offsets, tiles=CUDA_TILES)
     with pytest.raises(ValueError, match="2 to 4 stages at block_n 128"):
@@ -115,20 +123,27 @@ def test_reading_mxfp4_gives_the_bits_of_the_fp8_copy(counts, k, n, out_dtype):
 
 
 def _every_code_at_every_gap(k: int, device) -> MXFP4Tensor:
-    """Rows whose 128-groups hold a block at scale byte S = 254 (codes of magnitude <= 1, so that the
-    products stay finite in fp32) and three blocks at gaps d = 0 .. 254 with all 16 codes twice each;
-    then rows with NaN blocks at every block position."""
+    """Rows whose 128-groups hold a block at the group's largest scale byte S (codes of magnitude <= 1)
+    and three blocks at gaps d = S - e, every d of 0 .. 254 once, with all 16 codes twice each; S is 130
+    where the group's gaps allow it and 254 beyond, so that no output overflows fp32 (with S = 254
+    small gaps would, and an inf hides a wrong byte). Then rows with NaN blocks at each block position."""
     blocks_per_row = k // 32
     gap_slots = [b for b in range(blocks_per_row) if b % 4]  # three per group
     gaps = list(range(E8M0_MAX_FINITE + 1))
     num_rows = -(-len(gaps) // len(gap_slots))
-    scales = torch.full((num_rows + 4, blocks_per_row), E8M0_MAX_FINITE, dtype=torch.uint8)
+    low_s = 130  # 2^(130 - 133) scales the largest E4M3 value, 384, to 48
+    scales = torch.full((num_rows + 4, blocks_per_row), low_s, dtype=torch.uint8)
     codes = torch.arange(16, dtype=torch.uint8).repeat(2).repeat(num_rows + 4, blocks_per_row)
     small = torch.tensor([0, 1, 2, 8, 9, 10], dtype=torch.uint8)  # +-0, +-0.5, +-1
     for b in range(0, blocks_per_row, 4):
         codes[:, 32 * b:32 * (b + 1)] = small[torch.arange(32) % 6]
-    for i, d in enumerate(gaps):
-        scales[i // len(gap_slots), gap_slots[i % len(gap_slots)]] = E8M0_MAX_FINITE - d
+    for group_start in range(0, len(gaps), 3):
+        group_gaps = gaps[group_start:group_start + 3]
+        largest = low_s if max(group_gaps) <= low_s else E8M0_MAX_FINITE
+        row, slot = divmod(group_start, len(gap_slots))
+        scales[row, gap_slots[slot] - 1] = largest  # the group's S block precedes its three gap slots
+        for i, d in enumerate(group_gaps):
+            scales[row, gap_slots[slot + i]] = largest - d
     for b in range(4):  # NaN blocks: the group's S comes from the others
         scales[num_rows + b, b::4] = E8M0_NAN
     data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(device)
@@ -138,7 +153,8 @@ def _every_code_at_every_gap(k: int, device) -> MXFP4Tensor:
 @pytest.mark.gpu
 def test_every_code_at_every_gap_through_identity_weights():
     """With W = I, fp32 output y[r, j] is element (r, j) of X as converted times its scales: one element
-    per output, so every E2M1 code at every gap, and NaN blocks, must convert to the FP8 copy's bits."""
+    per output, so every E2M1 code at every gap must convert to the FP8 copy's bits. (A NaN element
+    spreads over its row, NaN x 0 being NaN: the NaN rows check that NaN blocks stay NaN, not where.)"""
     k = 512
     rows = _every_code_at_every_gap(k, "cuda")
     identity = K.quantize_fp8_weights_stacked([torch.eye(k, dtype=torch.bfloat16, device="cuda")])
@@ -148,9 +164,9 @@ def test_every_code_at_every_gap_through_identity_weights():
     finite_rows = rows.num_tokens - 4
     reference = ref.mxfp4_to_fp8_rows(MXFP4Tensor(rows.rows.cpu(), k))
     dequantized = reference.data.float() * reference.block_scales.t().repeat_interleave(128, dim=1)
-    # The identity keeps every element: the GEMM's output is the reference's conversion.
+    # The identity keeps every element: the GEMM's output is the reference's conversion, all finite.
     assert torch.equal(expected[:finite_rows].cpu(), dequantized[:finite_rows])
-    assert expected[:finite_rows].count_nonzero() > 0
+    assert torch.isfinite(dequantized[:finite_rows]).all()
     for tiles in _mxfp4_tiles():
         if k % tiles.block_n == 0:
             ours = K.grouped_gemm_by_weight_from_mxfp4(rows, identity, offsets, torch.float32, tiles=tiles)

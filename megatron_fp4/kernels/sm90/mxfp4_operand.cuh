@@ -22,8 +22,8 @@ constexpr int BLOCKS_PER_ROW_STEP = TILE / 32;
 constexpr u32 E4M3_NAN_WORD = 0x7F7F7F7Fu;
 constexpr int FP4_TO_FP8_SCALE_BIAS = 127 + 6;
 
-// The first column of the scale box holding a step's 4 bytes: a TMA box starts at a 16-byte boundary
-// of its row (a box at the step's own bytes stopped the kernel with an illegal instruction on H200).
+// The first column of the 16-byte scale box holding a step's 4 bytes: on H200 a box starting at the
+// step's own bytes (4-byte aligned) stopped the kernel with an illegal instruction; this one runs.
 __device__ __forceinline__ int scales_box_column(int step) {
     return (step * BLOCKS_PER_ROW_STEP) & ~(SCALES_BOX_BYTES - 1);
 }
