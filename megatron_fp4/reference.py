@@ -126,7 +126,7 @@ def _fp8_from_fp4_groups(codes: torch.Tensor, scale_byte: torch.Tensor, group_ma
 def fp4_to_fp8_magnitude_table(device=None) -> torch.Tensor:
     """uint8 [256, 8]: row d holds the E4M3 bytes of the E2M1 magnitudes 0..7 (codes 0-7) at scale gap
     d = S - e (the rule of _fp8_from_fp4_groups); row 255, a gap no pair of finite bytes makes, is 0.
-    The CUDA forward GEMM that reads MXFP4 itself converts with this table (sign and NaN blocks apart)."""
+    The oracle of kernels/_e4m3_table, which the CUDA forward GEMM that reads MXFP4 converts with."""
     gaps = torch.arange(E8M0_MAX_FINITE + 1, dtype=torch.int64, device=device)
     magnitudes = torch.arange(8, dtype=torch.int64, device=device)
     table = torch.zeros(E8M0_NAN + 1, 8, dtype=torch.uint8, device=device)

@@ -32,9 +32,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats import FP8_BLOCK, MXFP4_BLOCK
-from ..reference import fp4_to_fp8_magnitude_table
 from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights, MXFP4Tensor, padded_scale_columns
 from ._addresses import address_table
+from ._e4m3_table import e4m3_magnitude_table
 from ._bits import store_rounded
 from ._checks import check_kernel_device
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
@@ -421,13 +421,13 @@ _TMA_MXFP4_K = 16 * MXFP4_BLOCK  # K / 32 scale bytes a row: whole 16 bytes
 
 
 def _e4m3_table(device: torch.device) -> torch.Tensor:
-    """The reference's E4M3 bytes of the E2M1 magnitudes per scale gap, as the kernel reads them: built
+    """The E4M3 bytes of the E2M1 magnitudes per scale gap (_e4m3_table), as the kernel reads them: built
     once per device (on the CPU, then copied), never inside a CUDA graph capture, where the copy would
     only be recorded."""
     if device not in _E4M3_TABLES and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("grouped_gemm_by_weight_from_mxfp4: call it once before capturing a CUDA graph (its "
                            "conversion table is copied to the GPU at the first call)")
-    return _E4M3_TABLES.setdefault(device, fp4_to_fp8_magnitude_table().view(torch.int32).to(device))
+    return _E4M3_TABLES.setdefault(device, e4m3_magnitude_table().view(torch.int32).to(device))
 
 
 _E4M3_TABLES = {}

@@ -61,8 +61,12 @@ def test_the_stage_counts_fit_the_shared_memory():
 
 def test_the_magnitude_table_is_the_reference_conversion():
     """Row d of the kernel's table: the E4M3 bytes of the E2M1 magnitudes times 2^(6 - d), exact while
-    d <= 14 (DESIGN §4), rounded to nearest even beyond, zero at the end."""
-    table = ref.fp4_to_fp8_magnitude_table()
+    d <= 14 (DESIGN §4), rounded to nearest even beyond, zero at the end: the reference's conversion of
+    every code at every gap."""
+    from megatron_fp4.kernels._e4m3_table import e4m3_magnitude_table
+
+    table = e4m3_magnitude_table()
+    assert torch.equal(table, ref.fp4_to_fp8_magnitude_table())
     assert table.shape == (256, 8) and table.dtype == torch.uint8
     magnitudes = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
     values = table.view(torch.float8_e4m3fn).double()

@@ -7,8 +7,9 @@
 // 2^(6 - (S - e)); a NaN block (byte 255) gives E4M3 NaN (0x7F). No FP8 copy of the rows is written
 // to global memory.
 //
-// The E4M3 bytes of the 8 E2M1 magnitudes at each gap d = S - e come from a table the host tabulates
-// from the reference (megatron_fp4.reference): 2 words per gap, magnitudes 0-3 and 4-7.
+// The E4M3 bytes of the 8 E2M1 magnitudes at each gap d = S - e come from a table the host builds
+// (kernels/_e4m3_table.py, held to megatron_fp4.reference by the tests): 2 words per gap, magnitudes
+// 0-3 and 4-7.
 
 constexpr int CODES_BOX_BYTES = TILE / 2;     // a row's packed codes of one step: 128 elements
 constexpr int SCALES_BOX_BYTES = 16;          // a TMA box row: 4 steps' E8M0 bytes of a row
@@ -60,7 +61,7 @@ __device__ __forceinline__ int largest_finite_byte(u32 bytes) {
 
 // The E4M3 bytes of the 8 magnitudes at gap d: for d <= 11 every nonzero product is an E4M3 normal,
 // (m << 2) + ((12 - d) << 3) for magnitude code m >= 2 and (12 - d) << 3 for 0.5, computed without a
-// memory access; larger gaps read the reference's table. (The test of every code at every gap holds both
+// memory access; larger gaps read the table. (The test of every code at every gap holds both
 // to the reference.)
 __device__ __forceinline__ uint2 magnitude_bytes(int gap, const uint2* table) {
     if (gap > 11) return table[gap];
