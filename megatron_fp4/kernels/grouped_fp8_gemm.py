@@ -394,14 +394,13 @@ def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeig
         tiles = default_tiles(rows.device, DEFAULT_ROWS_TILES, n)
     if not tiles.cuda_sm90:
         raise ValueError(f"{name}: only the CUDA kernel (SM90) converts MXFP4 itself, got {tiles}; elsewhere "
-                         "convert with mxfp4_to_fp8_rows and call grouped_gemm_by_weight")
+                         f"{_CONVERT_FIRST}")
     _check_tiles(name, tiles, n, k)
     if n % tiles.block_n:
         raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n}")
     if k % _TMA_MXFP4_K:
         raise ValueError(f"{name}: K must be a multiple of {_TMA_MXFP4_K}, got {k}: the kernel copies a row's "
-                         f"K / 32 scale bytes by TMA, in rows of whole 16 bytes; convert with mxfp4_to_fp8_rows and "
-                         "call grouped_gemm_by_weight")
+                         f"K / 32 scale bytes by TMA, in rows of whole 16 bytes; {_CONVERT_FIRST}")
     if rows.rows.data_ptr() % 16 or rows.rows.stride(0) % 16:
         raise ValueError(f"{name}: the kernel copies the MXFP4 rows with TMA: they must start at a 16-byte boundary "
                          f"with a row stride of whole 16 bytes, got {rows.rows.data_ptr():#x} and stride "
@@ -412,16 +411,17 @@ def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeig
     out = torch.empty(num_rows, n, dtype=out_dtype, device=rows.device)
     if num_rows:
         grouped_gemm_sm90.launch_rows_from_mxfp4(
-            rows.data, rows.scales, _e4m3_table(rows.device), weights.data, weights.block_scales, row_offsets,
+            rows.data, rows.scales, _device_e4m3_table(rows.device), weights.data, weights.block_scales, row_offsets,
             _stored(out), _cuda_output_mode(name, out_dtype), tiles.num_stages, tiles.block_n)
     return out
 
 
 _TMA_MXFP4_K = 16 * MXFP4_BLOCK  # K / 32 scale bytes a row: whole 16 bytes
+_CONVERT_FIRST = "convert with mxfp4_to_fp8_rows and call grouped_gemm_by_weight"
 
 
-def _e4m3_table(device: torch.device) -> torch.Tensor:
-    """The E4M3 bytes of the E2M1 magnitudes per scale gap (_e4m3_table), as the kernel reads them: built
+def _device_e4m3_table(device: torch.device) -> torch.Tensor:
+    """e4m3_magnitude_table as the kernel reads it (int32 [256, 2]) on `device`: built
     once per device (on the CPU, then copied), never inside a CUDA graph capture, where the copy would
     only be recorded."""
     if device not in _E4M3_TABLES and torch.cuda.is_current_stream_capturing():

@@ -12,6 +12,7 @@ import torch
 
 from ..formats import FP8_BLOCK
 from ._cuda_runtime import SOURCES, CudaKernel, compile_cubin, tile_map
+from ._e4m3_table import GAPS
 
 THREADS = 3 * 128  # a producer warpgroup and two consumer warpgroups
 MAX_EXPERTS = 1024  # per-expert tables live in shared memory (passed to the kernels' source)
@@ -19,7 +20,7 @@ SHARED_LIMIT = 227 * 1024  # what one block may ask for on Hopper
 # A_MXFP4 (mxfp4_operand.cuh): a stage's codes [128, 64 B], block scale bytes [128, 16 B] (a TMA box
 # row is 16 bytes) and fp32 row scales; the E4M3 table of 256 gaps x 8 bytes.
 _MXFP4_STAGE_BYTES = FP8_BLOCK * (FP8_BLOCK // 2) + FP8_BLOCK * 16 + FP8_BLOCK * 4 + 8
-_E4M3_TABLE_BYTES = 256 * 8
+_E4M3_TABLE_BYTES = GAPS * 8
 _ALIGNMENT = 1024  # the swizzled tiles start at 1024-byte boundaries
 # The kernels' OutputMode.
 STORE_BF16, STORE_FP32, ACCUMULATE_FP32 = 0, 1, 2
