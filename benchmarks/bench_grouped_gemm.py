@@ -34,7 +34,7 @@ from triton.runtime.errors import OutOfResources
 from megatron_fp4 import kernels as K
 from megatron_fp4.formats import FP8_BLOCK
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
+from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_ROWS_TILES, CUDA_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
                                                    WARP_SPECIALIZED_ROWS, default_tiles)
 from megatron_fp4.kernels.grouped_gemm_sm90 import is_sm90
 from benchmarks.common import ragged_counts
@@ -51,12 +51,14 @@ MXFP4_GEMMS = {"fc1_fprop_from_mxfp4": (2 * FFN, HIDDEN)}  # the dispatched toke
 # The Triton kernels' tiles first (the default off SM90, and the bits every other config must give),
 # the warp-specialized Gluon kernel at its best stage count of earlier sweeps (0.88x-1.02x of the
 # Triton default at 2e84cd6; docs/kernels.md has the other runners-up), then the CUDA kernels (the
-# default on SM90) at 128 and 256 columns per tile.
+# default on SM90) at 128 and 256 columns per tile; the forward / data-gradient ones in groups of 4 row
+# tiles (their default) and of 8 (the weight gradient's).
 CUDA_SWEEP = [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n)
               for block_n, stages in ((128, 3), (128, 4), (256, 2), (256, 3))]
-ROWS_SWEEP = [DEFAULT_ROWS_TILES, dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=5)] + CUDA_SWEEP
+ROWS_SWEEP = [DEFAULT_ROWS_TILES, dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=5)] + [
+    dataclasses.replace(tiles, group_m=CUDA_ROWS_TILES.group_m) for tiles in CUDA_SWEEP] + CUDA_SWEEP
 WGRAD_SWEEP = [DEFAULT_WGRAD_TILES] + CUDA_SWEEP
-MXFP4_SWEEP = [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n)
+MXFP4_SWEEP = [dataclasses.replace(CUDA_ROWS_TILES, num_stages=stages, block_n=block_n)
                for block_n, stages in ((128, 3), (128, 4), (256, 2))]
 
 

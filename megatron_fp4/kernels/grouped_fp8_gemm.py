@@ -65,7 +65,7 @@ class GemmTiles:
     warp_specialized: bool = False
     # SM90 GPUs only: the CUDA C++ kernels of grouped_gemm_sm90 (persistent, a producer warpgroup and
     # two consumer warpgroups taking turns at the tensor cores), the same sums. Their tiles are fixed
-    # (CUDA_TILES below) but for num_stages and block_n (128 or 256). The default on SM90 GPUs.
+    # (CUDA_TILES below) but for num_stages, block_n (128 or 256) and group_m. The default on SM90 GPUs.
     cuda_sm90: bool = False
 
 
@@ -93,7 +93,13 @@ WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_sta
 # at 32 experts) and 2-4% slower at N = 2048; for the weight gradient they lose 20-25% (ptxas spills
 # inside the K loop: its per-column scales need registers the 256 columns take).
 CUDA_TILES = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=3, tma=True, cuda_sm90=True)
-CUDA_WIDE_TILES = dataclasses.replace(CUDA_TILES, block_n=256, num_stages=2)
+# Forward / data gradient: 4 row tiles side by side instead of 8. In-process A/B runs on H200 (same
+# inputs, alternating rounds, equal bits): at 256 columns fc2's GEMMs gained 1-6% (fc2 dgrad at 32
+# experts 0.736 -> 0.764 and 0.744 -> 0.783 of dense), fc1's forward 0.800 -> 0.807 and 0.817 at 32
+# experts, fc1's data gradient moved -1.6% to +0.1%; 1 and 2 were no better. The weight gradient was
+# the same at 4 and 8 (within 2%), so it keeps 8.
+CUDA_ROWS_TILES = dataclasses.replace(CUDA_TILES, group_m=4)
+CUDA_WIDE_TILES = dataclasses.replace(CUDA_ROWS_TILES, block_n=256, num_stages=2)
 WIDE_FROM_N = 4096
 
 
@@ -103,8 +109,9 @@ def default_tiles(device: torch.device, triton_tiles: GemmTiles, n: Optional[int
     tiles are 256 wide from WIDE_FROM_N on); None for the weight gradient."""
     if not grouped_gemm_sm90.is_sm90(device):
         return triton_tiles
-    wide = n is not None and n >= WIDE_FROM_N and n % CUDA_WIDE_TILES.block_n == 0
-    return CUDA_WIDE_TILES if wide else CUDA_TILES
+    if n is None:
+        return CUDA_TILES
+    return CUDA_WIDE_TILES if n >= WIDE_FROM_N and n % CUDA_WIDE_TILES.block_n == 0 else CUDA_ROWS_TILES
 
 
 
@@ -299,8 +306,10 @@ def _store_wgrad(c_ptr, expert, rows, cols, acc, N: tl.constexpr, K: tl.constexp
 def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
     """Tiles the kernel takes for an output of n columns and a reduction over k (k: the forward's K, or
     the weight gradient's output columns, its K)."""
-    if tiles.cuda_sm90 and tiles != dataclasses.replace(CUDA_TILES, num_stages=tiles.num_stages, block_n=tiles.block_n):
-        raise ValueError(f"{name}: the CUDA kernel takes {CUDA_TILES} but for num_stages and block_n, got {tiles}")
+    if tiles.cuda_sm90 and tiles != dataclasses.replace(CUDA_TILES, num_stages=tiles.num_stages, block_n=tiles.block_n,
+                                                        group_m=tiles.group_m):
+        raise ValueError(f"{name}: the CUDA kernel takes {CUDA_TILES} but for num_stages, block_n and group_m, got "
+                         f"{tiles}")
     if not tiles.cuda_sm90 and (tiles.block_n != FP8_BLOCK or tiles.row_halves not in (1, 2)):
         raise ValueError(f"{name}: block_n must be {FP8_BLOCK} (one weight block) and row_halves 1 or 2, got {tiles}")
     fixed = dict(block_m=WARP_SPECIALIZED_ROWS.block_m, num_warps=WARP_SPECIALIZED_ROWS.num_warps, row_halves=2,
@@ -346,7 +355,7 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
     if tiles.cuda_sm90:
         grouped_gemm_sm90.launch_rows(rows.data, rows.block_scales, weights.data, weights.block_scales, row_offsets,
                                       _stored(out), _cuda_output_mode(name, out_dtype), tiles.num_stages,
-                                      tiles.block_n)
+                                      tiles.block_n, tiles.group_m)
         return out
     num_tiles_m = triton.cdiv(num_rows, tiles.block_m) + num_experts
     if tiles.warp_specialized:
@@ -412,7 +421,7 @@ def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeig
     if num_rows:
         grouped_gemm_sm90.launch_rows_from_mxfp4(
             rows.data, rows.scales, _device_e4m3_table(rows.device), weights.data, weights.block_scales, row_offsets,
-            _stored(out), _cuda_output_mode(name, out_dtype), tiles.num_stages, tiles.block_n)
+            _stored(out), _cuda_output_mode(name, out_dtype), tiles.num_stages, tiles.block_n, tiles.group_m)
     return out
 
 
@@ -478,7 +487,7 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         mode = grouped_gemm_sm90.ACCUMULATE_FP32 if out is None else _cuda_output_mode(name, out_dtype)
         grouped_gemm_sm90.launch_wgrad(grad_cols.data, grad_cols.block_scales, input_cols.data,
                                        input_cols.block_scales, offsets, target, mode, tiles.num_stages,
-                                       tiles.block_n)
+                                       tiles.block_n, tiles.group_m)
         return out
     _grouped_wgrad_kernel[(num_experts * (n // tiles.block_m) * (k // tiles.block_n),)](
         _operand(name, grad_cols.data, (tiles.block_m // tiles.row_halves, FP8_BLOCK), tiles.tma),
@@ -496,7 +505,7 @@ def _check_cuda_launch(name: str, tiles: GemmTiles, gemm, num_experts: int, size
                        out_dtype: Optional[torch.dtype]) -> None:
     """What the CUDA kernels need (tiles, operands that tensor maps can read, scales, sizes, the output
     dtype, None when adding into fp32 buffers), then an SM90 GPU."""
-    grouped_gemm_sm90.check_tiles(name, gemm, tiles.num_stages, tiles.block_n)
+    grouped_gemm_sm90.check_tiles(name, gemm, tiles.num_stages, tiles.block_n, tiles.group_m)
     for data in operands:
         _check_operand(name, data, True)
     grouped_gemm_sm90.check_operands(name, num_experts, sizes, *scales)

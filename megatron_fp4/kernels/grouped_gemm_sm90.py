@@ -27,6 +27,7 @@ STORE_BF16, STORE_FP32, ACCUMULATE_FP32 = 0, 1, 2
 
 
 BLOCK_NS = (128, 256)  # output columns of a tile: one or two wgmma accumulators per consumer
+GROUP_MS = range(1, 65)  # row tiles side by side in the tile order (any count works; more gains nothing)
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,12 @@ ROWS = Sm90Gemm("grouped_rows.cu", "grouped_rows_sm90", scales_in_stages=False, 
 ROWS_MXFP4 = Sm90Gemm("grouped_rows.cu", "grouped_rows_sm90", scales_in_stages=False, tile_counts=True, a_mxfp4=True)
 
 
-def check_tiles(name: str, gemm: Sm90Gemm, stages: int, block_n: int) -> None:
+def check_tiles(name: str, gemm: Sm90Gemm, stages: int, block_n: int, group_m: int) -> None:
     if block_n not in BLOCK_NS:
         raise ValueError(f"{name}: the CUDA kernel takes block_n {' or '.join(map(str, BLOCK_NS))}, got {block_n}")
+    if group_m not in GROUP_MS:
+        raise ValueError(f"{name}: the CUDA kernel takes group_m {GROUP_MS.start} to {GROUP_MS.stop - 1}, "
+                         f"got {group_m}")
     counts = gemm.stage_counts(block_n)
     if stages not in counts:
         raise ValueError(f"{name}: the CUDA kernel takes {counts.start} to {counts.stop - 1} stages at block_n "
@@ -72,10 +76,10 @@ def check_tiles(name: str, gemm: Sm90Gemm, stages: int, block_n: int) -> None:
 
 
 @lru_cache(maxsize=None)
-def build(gemm: Sm90Gemm, stages: int, block_n: int = FP8_BLOCK):
-    """(the kernel, ptxas's report) at `stages` pipeline stages and tiles of block_n columns (compiled
-    once per process)."""
-    defines = (("STAGES", stages), ("BLOCK_N", block_n), ("MAX_EXPERTS", MAX_EXPERTS))
+def build(gemm: Sm90Gemm, stages: int, block_n: int = FP8_BLOCK, group_m: int = 8):
+    """(the kernel, ptxas's report) at `stages` pipeline stages, tiles of block_n columns and group_m
+    row tiles side by side in the tile order (compiled once per process)."""
+    defines = (("STAGES", stages), ("BLOCK_N", block_n), ("GROUP_M", group_m), ("MAX_EXPERTS", MAX_EXPERTS))
     if gemm.source == ROWS.source:
         defines += (("A_MXFP4", int(gemm.a_mxfp4)),)
     cubin, report = compile_cubin(os.path.join(SOURCES, gemm.source), defines)
@@ -139,14 +143,14 @@ _int = ctypes.c_int32
 
 def launch_wgrad(grad_data: torch.Tensor, grad_scales: torch.Tensor, input_data: torch.Tensor,
                  input_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int,
-                 stages: int, block_n: int) -> None:
+                 stages: int, block_n: int, group_m: int) -> None:
     """dW_e = dY_e^T X_e for every expert into `target` ([E, N, K] BF16 as int16 or fp32, or with
     ACCUMULATE_FP32 the int64 address table of each expert's fp32 [N, K]); operands as grouped_wgrad's,
     checked by it (check_operands, check_device)."""
     n, k = grad_data.shape[0], input_data.shape[0]
     num_experts = offsets.numel() - 1
     grad_map = tile_map(grad_data, FP8_BLOCK, FP8_BLOCK)
-    kernel, _ = build(WGRAD, stages, block_n)
+    kernel, _ = build(WGRAD, stages, block_n, group_m)
     kernel.launch(grad_data.device, _grid(grad_data.device, num_experts * (n // FP8_BLOCK) * (k // block_n)),
                   THREADS, [
                       grad_map, tile_map(input_data, block_n, FP8_BLOCK),
@@ -158,30 +162,30 @@ def launch_wgrad(grad_data: torch.Tensor, grad_scales: torch.Tensor, input_data:
 
 def launch_rows(rows_data: torch.Tensor, row_scales: torch.Tensor, weight_data: torch.Tensor,
                 weight_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int,
-                stages: int, block_n: int) -> None:
+                stages: int, block_n: int, group_m: int) -> None:
     """Y[rows of e] = X[rows of e] W_e^T into `target` ([M, N], BF16 as int16 or fp32); operands as
     grouped_gemm_by_weight's (weight_data [E, N, K]), checked by it (check_operands, check_device)."""
     rows_map = tile_map(rows_data, FP8_BLOCK, FP8_BLOCK)
     _launch_rows(ROWS, rows_map, rows_map, _pointer(row_scales.data_ptr()), _pointer(0), rows_data.shape[0],
-                 weight_data, weight_scales, offsets, target, mode, stages, block_n)
+                 weight_data, weight_scales, offsets, target, mode, stages, block_n, group_m)
 
 
 def launch_rows_from_mxfp4(codes: torch.Tensor, block_scales: torch.Tensor, e4m3_table: torch.Tensor,
                            weight_data: torch.Tensor, weight_scales: torch.Tensor, offsets: torch.Tensor,
-                           target: torch.Tensor, mode: int, stages: int, block_n: int) -> None:
+                           target: torch.Tensor, mode: int, stages: int, block_n: int, group_m: int) -> None:
     """launch_rows with X as MXFP4: codes uint8 [M, K / 2] and block_scales uint8 [M, K / 32] (views of
     the wire rows), converted in the kernel with e4m3_table (int32 [256, 2]); checked by
     grouped_gemm_by_weight_from_mxfp4."""
     _launch_rows(ROWS_MXFP4, tile_map(codes, FP8_BLOCK, FP8_BLOCK // 2, swizzled=False),
                  tile_map(block_scales, FP8_BLOCK, 16, swizzled=False), _pointer(0), _pointer(e4m3_table.data_ptr()),
-                 codes.shape[0], weight_data, weight_scales, offsets, target, mode, stages, block_n)
+                 codes.shape[0], weight_data, weight_scales, offsets, target, mode, stages, block_n, group_m)
 
 
 def _launch_rows(gemm: Sm90Gemm, rows_map, block_scale_map, row_scales, e4m3_table, m: int, weight_data: torch.Tensor,
                  weight_scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, mode: int, stages: int,
-                 block_n: int) -> None:
+                 block_n: int, group_m: int) -> None:
     num_experts, n, k = weight_data.shape
-    kernel, _ = build(gemm, stages, block_n)
+    kernel, _ = build(gemm, stages, block_n, group_m)
     upper_bound_tiles = (-(-m // FP8_BLOCK) + num_experts) * (n // block_n)
     kernel.launch(weight_data.device, _grid(weight_data.device, upper_bound_tiles), THREADS, [
         rows_map, block_scale_map, tile_map(weight_data.view(num_experts * n, k), block_n, FP8_BLOCK),

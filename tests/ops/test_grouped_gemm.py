@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_TILES, CUDA_WIDE_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
-                                                   WARP_SPECIALIZED_ROWS)
+from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_ROWS_TILES, CUDA_TILES, CUDA_WIDE_TILES, DEFAULT_ROWS_TILES,
+                                                   DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS)
 from megatron_fp4.tensors import COLWISE, FP8BlockTensor
 
 COUNTS = [130, 0, 3, 1, 70, 0, 256]  # > a tile, empty, not a multiple of 4, one token, ..., two full tiles
@@ -286,7 +286,7 @@ def test_warp_specialized_kernel_gives_the_triton_kernels_bits(experts, k, n, ou
 
 
 def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
-    """The CUDA kernels' tiles are fixed but for their stages and width, their operands must suit them,
+    """The CUDA kernels' tiles are fixed but for their stages, width and row-tile groups, their operands must suit them,
     and they need an SM90 GPU: each refused with its reason, before anything runs."""
     grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=24)
     rows, weights = _rows_operand(8, 256, device, seed=25), _weights(2, 256, 256, device, seed=26)
@@ -304,6 +304,9 @@ def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
             gemm(dataclasses.replace(CUDA_TILES, num_stages=4, block_n=256))
         with pytest.raises(ValueError, match="block_n 128 or 256"):
             gemm(dataclasses.replace(CUDA_TILES, block_n=64))
+        for group_m in (0, 65):
+            with pytest.raises(ValueError, match="group_m 1 to 64"):
+                gemm(dataclasses.replace(CUDA_TILES, group_m=group_m))
         with pytest.raises(ValueError, match="writes BF16 or fp32"):
             gemm(CUDA_TILES, torch.float16)
         if device.type == "cpu":
@@ -319,17 +322,19 @@ def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
 
 
 def test_the_cuda_kernels_are_the_default_on_sm90_only(monkeypatch):
-    """default_tiles: the CUDA tiles on compute capability 9.0 (256 columns for forward and data gradients
-    with N >= 4096 and a multiple of 256), the Triton tiles on other GPUs and on the CPU."""
+    """default_tiles: the CUDA tiles on compute capability 9.0 (forward and data gradients in groups of 4
+    row tiles, 256 columns wide with N >= 4096 and a multiple of 256), the Triton tiles on other GPUs and
+    on the CPU."""
     from megatron_fp4.kernels import grouped_gemm_sm90
     from megatron_fp4.kernels.grouped_fp8_gemm import default_tiles
 
     gpu = torch.device("cuda")
     monkeypatch.setattr(grouped_gemm_sm90, "_capability", lambda device: (9, 0))
     assert default_tiles(gpu, DEFAULT_WGRAD_TILES) == CUDA_TILES
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 2048) == CUDA_TILES
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 2048) == CUDA_ROWS_TILES
     assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4096) == CUDA_WIDE_TILES
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4224) == CUDA_TILES  # not a multiple of 256
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4224) == CUDA_ROWS_TILES  # not a multiple of 256
+    assert CUDA_ROWS_TILES.group_m == CUDA_WIDE_TILES.group_m == 4 and CUDA_TILES.group_m == 8
     assert default_tiles(torch.device("cpu"), DEFAULT_ROWS_TILES, 4096) == DEFAULT_ROWS_TILES
     for other in ((8, 0), (10, 0)):
         monkeypatch.setattr(grouped_gemm_sm90, "_capability", lambda device, c=other: c)
@@ -339,12 +344,15 @@ def test_the_cuda_kernels_are_the_default_on_sm90_only(monkeypatch):
 
 def _cuda_tiles(kernel: str, columns: int):
     """Every stage count of a CUDA kernel ("ROWS" or "WGRAD") at both tile widths that divide the
-    output's columns."""
+    output's columns, in its default row-tile groups; and the first of them in groups of 1 and of 8
+    (another tile order: the same sums)."""
     from megatron_fp4.kernels import grouped_gemm_sm90 as sm90
 
     gemm = getattr(sm90, kernel)
-    return [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n) for block_n in sm90.BLOCK_NS
-            if columns % block_n == 0 for stages in gemm.stage_counts(block_n)]
+    default = CUDA_ROWS_TILES if kernel == "ROWS" else CUDA_TILES
+    tiles = [dataclasses.replace(default, num_stages=stages, block_n=block_n) for block_n in sm90.BLOCK_NS
+             if columns % block_n == 0 for stages in gemm.stage_counts(block_n)]
+    return tiles + [dataclasses.replace(tiles[0], group_m=group_m) for group_m in (1, 8) if group_m != default.group_m]
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatron_fp4 import kernels as K
 from megatron_fp4 import reference as ref
 from megatron_fp4.formats import E8M0_MAX_FINITE, E8M0_NAN
-from megatron_fp4.kernels.grouped_fp8_gemm import CUDA_TILES, DEFAULT_ROWS_TILES
+from megatron_fp4.kernels.grouped_fp8_gemm import CUDA_ROWS_TILES, CUDA_TILES, DEFAULT_ROWS_TILES
 from megatron_fp4.tensors import MXFP4Tensor
 
 COUNTS = [700, 0, 1, 3, 129, 2048, 64, 1000]
@@ -46,11 +46,13 @@ def _hard_rows(m: int, k: int, device, seed: int) -> MXFP4Tensor:
 
 
 def _mxfp4_tiles():
-    """Every stage count of the MXFP4 kernel at both tile widths."""
+    """Every stage count of the MXFP4 kernel at both tile widths, in the default row-tile groups; and
+    the first in groups of 1 and 8."""
     from megatron_fp4.kernels import grouped_gemm_sm90 as sm90
 
-    return [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n) for block_n in sm90.BLOCK_NS
-            for stages in sm90.ROWS_MXFP4.stage_counts(block_n)]
+    tiles = [dataclasses.replace(CUDA_ROWS_TILES, num_stages=stages, block_n=block_n) for block_n in sm90.BLOCK_NS
+             for stages in sm90.ROWS_MXFP4.stage_counts(block_n)]
+    return tiles + [dataclasses.replace(tiles[0], group_m=group_m) for group_m in (1, 8)]
 
 
 def test_the_stage_counts_fit_the_shared_memory():

@@ -7,16 +7,16 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 // Set by the host (grouped_gemm_sm90.build): pipeline stages, output columns of a tile (128 or 256),
+// row tiles side by side in the tile order (GROUP_M: so that their column tiles are read from L2),
 // and the size of the per-expert tables in shared memory.
-#if !defined(STAGES) || !defined(BLOCK_N) || !defined(MAX_EXPERTS)
-#error "compile with -DSTAGES=... -DBLOCK_N=... -DMAX_EXPERTS=... (grouped_gemm_sm90.build)"
+#if !defined(STAGES) || !defined(BLOCK_N) || !defined(GROUP_M) || !defined(MAX_EXPERTS)
+#error "compile with -DSTAGES=... -DBLOCK_N=... -DGROUP_M=... -DMAX_EXPERTS=... (grouped_gemm_sm90.build)"
 #endif
 
 struct alignas(64) TensorMap { u64 opaque[16]; };  // a CUtensorMap, built by the host
 
 constexpr int TILE = 128;                   // output rows and columns of a tile, and K per step
 constexpr int OPERAND_BYTES = TILE * TILE;  // one FP8 operand tile
-constexpr int GROUP_M = 8;                  // row tiles side by side, so their column tiles are read from L2
 constexpr int CONSUMER_WARPS = 8;
 // A tile's columns are multiplied 128 at a time (one wgmma accumulator of 64 registers per part): wider
 // tiles read fewer operand bytes per product from L2.
