@@ -105,18 +105,18 @@ class FP8ExpertsFunction(torch.autograd.Function):
         ffn = fc2_weights[0].shape[1]
         dtype = tokens.dtype
 
-        fc1_fp8_weights = _fp8_weights(call, "fc1", fc1_weights, False)
         if payload_rows is not None and call.gemms is ExpertGemms.GROUPED_FROM_MXFP4:
             fc1_out = K.grouped_gemm_by_weight_from_mxfp4(MXFP4Tensor(payload_rows, hidden, call.scale_rule),
-                                                          fc1_fp8_weights, segments.row_offsets_device, dtype)
+                                                          _fp8_weights(call, "fc1", fc1_weights, False),
+                                                          segments.row_offsets_device, dtype)
         else:
+            # The input first: the GPU, idle since the dispatcher's host sync, starts on it sooner.
             if payload_rows is not None:
                 input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
             else:
                 input_rows = K.quantize_fp8_rows(tokens)
-            fc1_out = _linear_forward(call, input_rows, fc1_fp8_weights, dtype)
+            fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
             del input_rows
-        del fc1_fp8_weights
         ctx.from_payload = payload_rows is not None
         ctx.fp4_activations = ctx.from_payload and call.fp4_activations
         # Row-wise, all experts at once; with the copies backward will read (see _saved_activations).
