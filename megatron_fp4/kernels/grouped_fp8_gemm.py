@@ -24,7 +24,7 @@ Accelerator from tensor descriptors built on the host; the sums are the same.
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -85,33 +85,41 @@ DEFAULT_WGRAD_TILES = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages
 # Five stages of 32 KB: one program per SM (its three partitions share it).
 WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=5, row_halves=2, tma=True,
                                   warp_specialized=True)
-# The CUDA kernels: 128 rows, three warpgroups, one CTA per SM; 128 or 256 columns. On H200 (sweeps of
-# 6fc7393 and ffc8def, rows in benchmarks/results/grouped_gemm.jsonl) three stages of 128 columns were the
-# fastest or within a few percent of it for the weight gradients and for the forward / data gradients
-# with N = 2048 (fc2's data gradient); tiles of 256 columns on two stages (half the bytes from L2 per
-# B operand product) were 1-7% faster where N >= 4096 (fc1's forward and data gradient, fc2's forward
-# at 32 experts) and 2-4% slower at N = 2048; for the weight gradient they lose 20-25% (ptxas spills
-# inside the K loop: its per-column scales need registers the 256 columns take).
+# The CUDA kernels: 128 rows, three warpgroups, one CTA per SM; 128 or 256 columns. On H200 (rows in
+# benchmarks/results/grouped_gemm.jsonl) three stages of 128 columns were the fastest or within a few
+# percent of it for the weight gradients (256 columns lose 3-10% there) and for the forward / data
+# gradients unless both N and K are >= 4096: tiles of 256 columns on two stages (half the bytes from
+# L2 per B operand product) won fc1's forward (N 4096, K 7168) at 32 experts in every sweep, by 10% at
+# 88829ec, and lost fc2's (N 7168, K 2048: 16 K steps a tile, too few to fill and drain two stages
+# for) by 6-9% once the tiles went in groups of 4.
 CUDA_TILES = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=3, tma=True, cuda_sm90=True)
 # Forward / data gradient: 4 row tiles side by side instead of 8. In-process A/B runs on H200 (same
-# inputs, alternating rounds, equal bits): at 256 columns fc2's GEMMs gained 1-6% (fc2 dgrad at 32
-# experts 0.736 -> 0.764 and 0.744 -> 0.783 of dense), fc1's forward 0.800 -> 0.807 and 0.817 at 32
-# experts, fc1's data gradient moved -1.6% to +0.1%; 1 and 2 were no better. The weight gradient was
-# the same at 4 and 8 (within 2%), so it keeps 8.
+# inputs, alternating rounds, equal bits) and the sweep of 88829ec: fc2's forward at 128 columns
+# gained 13-16% (931 against 813 TFLOP/s at 32 experts), fc2's data gradient 5-7%, fc1's forward at
+# 256 columns 1-2%, fc1's data gradient -1% to +1%; groups of 1 and 2 were no better than 4. The
+# weight gradient was the same at 4 and 8 (within 2%), so it keeps 8.
 CUDA_ROWS_TILES = dataclasses.replace(CUDA_TILES, group_m=4)
 CUDA_WIDE_TILES = dataclasses.replace(CUDA_ROWS_TILES, block_n=256, num_stages=2)
-WIDE_FROM_N = 4096
+WIDE_FROM = 4096  # N and K from which forward / data-gradient tiles are 256 columns wide
+# The experts' data gradients (dY W_e, from W_e^T's blocks) run on the Triton kernel on every GPU: of
+# the eight H200 sweeps with both kernels (6fc7393 to 88829ec) it won fc1's data gradient in all eight
+# at 32 experts (947-1004 TFLOP/s; the CUDA kernel's best 910-919 in the last two) and seven at 8, and
+# fc2's in six at 32 experts and five at 8 (the CUDA kernel 4-5% ahead where it won in the last two).
+DATA_GRADIENT_TILES = DEFAULT_ROWS_TILES
 
 
-def default_tiles(device: torch.device, triton_tiles: GemmTiles, n: Optional[int] = None) -> GemmTiles:
+def default_tiles(device: torch.device, triton_tiles: GemmTiles,
+                  rows_gemm: Optional[Tuple[int, int]] = None) -> GemmTiles:
     """The CUDA kernels on an SM90 GPU (they are sm_90a machine code), else the Triton kernel's tiles
-    (other GPUs, and the CPU interpreter). n: a forward / data gradient's output columns (the CUDA
-    tiles are 256 wide from WIDE_FROM_N on); None for the weight gradient."""
+    (other GPUs, and the CPU interpreter). rows_gemm: (N, K) of a forward / data-gradient GEMM (its
+    CUDA tiles are 256 wide where both are >= WIDE_FROM); None for the weight gradient."""
     if not grouped_gemm_sm90.is_sm90(device):
         return triton_tiles
-    if n is None:
+    if rows_gemm is None:
         return CUDA_TILES
-    return CUDA_WIDE_TILES if n >= WIDE_FROM_N and n % CUDA_WIDE_TILES.block_n == 0 else CUDA_ROWS_TILES
+    n, k = rows_gemm
+    wide = n >= WIDE_FROM and k >= WIDE_FROM and n % CUDA_WIDE_TILES.block_n == 0
+    return CUDA_WIDE_TILES if wide else CUDA_ROWS_TILES
 
 
 
@@ -325,7 +333,7 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
                            out_dtype=torch.bfloat16, tiles: Optional[GemmTiles] = None) -> torch.Tensor:
     """[M, N]: rows [row_offsets[e], row_offsets[e + 1]) of `rows` (1x128, [M, K]) times weights[e]^T
     (128x128, [N, K]) for every expert e. row_offsets: int64 [E + 1] on the rows' device, from 0 to M.
-    tiles: default_tiles(device, DEFAULT_ROWS_TILES, N) when None."""
+    tiles: default_tiles(device, DEFAULT_ROWS_TILES, (N, K)) when None."""
     name = "grouped_gemm_by_weight"
     if not isinstance(rows, FP8BlockTensor) or rows.layout != ROWWISE:
         raise TypeError(f"{name}: expected a rowwise FP8BlockTensor")
@@ -338,7 +346,7 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
     _check_offsets(name, row_offsets, num_experts, rows.data.device)
     if tiles is None:
-        tiles = default_tiles(rows.data.device, DEFAULT_ROWS_TILES, n)
+        tiles = default_tiles(rows.data.device, DEFAULT_ROWS_TILES, (n, k))
     _check_tiles(name, tiles, n, k)
     if n % tiles.block_n:
         raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n}")
@@ -386,7 +394,7 @@ def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeig
     Triton kernels have no such path: elsewhere convert with mxfp4_to_fp8_rows first). rows: the wire
     rows, K a multiple of 512 and 16-byte aligned with a row stride of whole 16 bytes (the kernel copies
     codes and scale bytes by TMA, whose rows are whole 16 bytes). tiles: CUDA tiles, default_tiles(device,
-    DEFAULT_ROWS_TILES, N) when None."""
+    DEFAULT_ROWS_TILES, (N, K)) when None."""
     name = "grouped_gemm_by_weight_from_mxfp4"
     if not isinstance(rows, MXFP4Tensor):
         raise TypeError(f"{name}: expected an MXFP4Tensor, got {type(rows).__name__}")
@@ -400,7 +408,7 @@ def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeig
         raise ValueError(f"{name}: the rows are on {rows.device}, the weights on {weights.data.device}")
     _check_offsets(name, row_offsets, num_experts, rows.device)
     if tiles is None:
-        tiles = default_tiles(rows.device, DEFAULT_ROWS_TILES, n)
+        tiles = default_tiles(rows.device, DEFAULT_ROWS_TILES, (n, k))
     if not tiles.cuda_sm90:
         raise ValueError(f"{name}: only the CUDA kernel (SM90) converts MXFP4 itself, got {tiles}; elsewhere "
                          f"{_CONVERT_FIRST}")

@@ -323,22 +323,23 @@ def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
 
 def test_the_cuda_kernels_are_the_default_on_sm90_only(monkeypatch):
     """default_tiles: the CUDA tiles on compute capability 9.0 (forward and data gradients in groups of 4
-    row tiles, 256 columns wide with N >= 4096 and a multiple of 256), the Triton tiles on other GPUs and
-    on the CPU."""
+    row tiles, 256 columns wide where N and K are >= 4096 and N a multiple of 256), the Triton tiles on
+    other GPUs and on the CPU."""
     from megatron_fp4.kernels import grouped_gemm_sm90
     from megatron_fp4.kernels.grouped_fp8_gemm import default_tiles
 
     gpu = torch.device("cuda")
     monkeypatch.setattr(grouped_gemm_sm90, "_capability", lambda device: (9, 0))
     assert default_tiles(gpu, DEFAULT_WGRAD_TILES) == CUDA_TILES
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 2048) == CUDA_ROWS_TILES
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4096) == CUDA_WIDE_TILES
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4224) == CUDA_ROWS_TILES  # not a multiple of 256
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, (2048, 7168)) == CUDA_ROWS_TILES  # fc2's data gradient
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, (4096, 7168)) == CUDA_WIDE_TILES  # fc1's forward
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, (7168, 2048)) == CUDA_ROWS_TILES  # fc2's forward: K < 4096
+    assert default_tiles(gpu, DEFAULT_ROWS_TILES, (4224, 7168)) == CUDA_ROWS_TILES  # not a multiple of 256
     assert CUDA_ROWS_TILES.group_m == CUDA_WIDE_TILES.group_m == 4 and CUDA_TILES.group_m == 8
-    assert default_tiles(torch.device("cpu"), DEFAULT_ROWS_TILES, 4096) == DEFAULT_ROWS_TILES
+    assert default_tiles(torch.device("cpu"), DEFAULT_ROWS_TILES, (4096, 7168)) == DEFAULT_ROWS_TILES
     for other in ((8, 0), (10, 0)):
         monkeypatch.setattr(grouped_gemm_sm90, "_capability", lambda device, c=other: c)
-        assert default_tiles(gpu, DEFAULT_ROWS_TILES, 4096) == DEFAULT_ROWS_TILES
+        assert default_tiles(gpu, DEFAULT_ROWS_TILES, (4096, 7168)) == DEFAULT_ROWS_TILES
         assert default_tiles(gpu, DEFAULT_WGRAD_TILES) == DEFAULT_WGRAD_TILES
 
 
