@@ -5,9 +5,8 @@ DeepSeek-V3 expert shapes (hidden 7168, expert FFN 2048), 32768 routed rows (409
 over 32 or 8 local experts with ragged counts (a quarter of the experts empty). Per GEMM (fc1 and
 fc2; fprop, dgrad and wgrad), measured in the same run:
 - ours: megatron_fp4.kernels.grouped_gemm_by_weight / grouped_wgrad, at each tile config of the
-  sweep (the best one is the row; a second row, "at the default tiles", has what runs when no tiles
-  are given, as in the FP8 experts: forward / data gradients the faster candidate chosen at the first
-  call, weight gradients default_tiles; against the dense GEMM);
+  sweep (the best one is the row; a second row, "at the experts' default tiles", has the config the
+  FP8 experts run by default, against the dense GEMM);
 - dense_scaled_mm: torch.nn.functional.scaled_mm with the same block scales on the same total M,
   one dense GEMM (the ceiling a grouped GEMM can approach);
 - grouped_mm_bf16: torch._grouped_mm in BF16 over the same segments, each rounded up to 8 rows
@@ -36,9 +35,8 @@ from triton.runtime.errors import OutOfResources
 from megatron_fp4 import kernels as K
 from megatron_fp4.formats import FP8_BLOCK
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_ROWS_TILES, CUDA_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
-                                                   WARP_SPECIALIZED_ROWS, default_tiles, rows_gemm_candidates)
-from megatron_fp4.kernels.tile_choice import CHOICES
+from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_ROWS_TILES, CUDA_TILES, DATA_GRADIENT_TILES, DEFAULT_ROWS_TILES,
+                                                   DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS, default_tiles)
 from megatron_fp4.kernels.grouped_gemm_sm90 import is_sm90
 from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
@@ -152,16 +150,22 @@ def cols_operands(m_counts: torch.Tensor, n: int, k: int):
                  for width in (n, k))
 
 
-def chosen_tiles(n: int, k: int, experts: int) -> GemmTiles:
-    """The tiles grouped_gemm_by_weight chose (tile_choice) for this GEMM shape in this process."""
-    found = {tiles for shape, tiles in CHOICES.chosen().items() if (shape.n, shape.k, shape.experts) == (n, k, experts)}
-    if len(found) != 1:
-        raise SystemExit(f"expected one tile choice for N {n}, K {k}, {experts} experts, found {found}")
-    return found.pop()
+def experts_default_tiles(gpu: torch.device, name: str, n: int, k: int) -> GemmTiles:
+    """The tiles the FP8 experts (ExpertGemms.GROUPED) use for this forward / data-gradient GEMM."""
+    return DATA_GRADIENT_TILES if name.endswith("_dgrad") else default_tiles(gpu, DEFAULT_ROWS_TILES, (n, k))
+
+
+def record_default(record: Callable[..., None], name: str, experts: int, rates: Dict[GemmTiles, float],
+                   default: GemmTiles, dense: float) -> None:
+    """A row for the tiles the experts use by default (the layer's rate), against the dense GEMM."""
+    if default in rates:
+        record(f"{name} at the experts' default tiles", experts, rates[default], default, {"dense_scaled_mm": dense})
+    else:
+        print(f"  {name} E={experts}: the experts' default tiles {default} were not measured")
 
 
 def rows_gemm_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
-                   record: Callable[..., None]) -> None:
+                   record: Callable[..., None], default: GemmTiles) -> None:
     """fprop / dgrad: X [M, K] (1x128) times W_e^T, W [E, N, K] (128x128)."""
     experts, m = m_counts.numel(), int(m_counts.sum())
     rows, weights, offsets, w = rows_operands(m_counts, n, k)
@@ -185,10 +189,7 @@ def rows_gemm_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: Lis
                                     iters)
     loop = tflops(flops, wall_ms(_per_expert_loop(rows, weights, m_counts), iters, 3))
     record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16, "per_expert_scaled_mm": loop})
-    # What the FP8 experts run: no tiles given, the faster candidate timed at the first call.
-    default_rate = tflops(flops, wall_ms(lambda: K.grouped_gemm_by_weight(rows, weights, offsets), iters, 3))
-    record(f"{name} at the default tiles", experts, default_rate, chosen_tiles(n, k, experts),
-           {"dense_scaled_mm": dense})
+    record_default(record, name, experts, ours, default, dense)
 
 
 def mxfp4_fprop_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
@@ -244,8 +245,7 @@ def wgrad_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[Ge
                                     lambda: torch._grouped_mm(grad_t, x_padded, offs=offs32, out_dtype=torch.bfloat16),
                                     iters)
     record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16})
-    if default in ours:
-        record(f"{name} at the default tiles", experts, ours[default], default, {"dense_scaled_mm": dense})
+    record_default(record, name, experts, ours, default, dense)
 
 
 def main(argv=None) -> int:
@@ -253,8 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, nargs="+", default=[32, 8], help="local experts")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-sweep", action="store_true",
-                   help="only the default tiles (forward / data gradients: the candidates grouped_gemm_by_weight "
-                        "chooses from)")
+                   help="only the tiles the FP8 experts use by default (on SM90: the CUDA kernels, the Triton kernel for "
+                        "the data gradients)")
     everything = [*ROWS_GEMMS, *WGRAD_GEMMS, *MXFP4_GEMMS]
     p.add_argument("--gemms", nargs="+", choices=everything, default=everything,
                    help="the GEMMs to measure (default: all seven; fc1_fprop_from_mxfp4 on SM90 GPUs only)")
@@ -281,8 +281,9 @@ def main(argv=None) -> int:
         print(f"E={experts}: counts {counts.tolist()}")
         for name, (n, k) in ROWS_GEMMS.items():
             if name in args.gemms:
-                rows_sweep = rows_gemm_candidates(gpu, (n, k)) if args.no_sweep else ROWS_SWEEP
-                rows_gemm_case(name, counts, n, k, rows_sweep, args.iters, record)
+                default = experts_default_tiles(gpu, name, n, k)
+                rows_sweep = [default] if args.no_sweep else ROWS_SWEEP
+                rows_gemm_case(name, counts, n, k, rows_sweep, args.iters, record, default)
         for name, (n, k) in WGRAD_GEMMS.items():
             if name in args.gemms:
                 wgrad_case(name, counts, n, k, wgrad_sweep, args.iters, record, default_tiles(gpu, DEFAULT_WGRAD_TILES))

@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 
 from .. import kernels as K
-from ..kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS, GemmTiles
+from ..kernels.grouped_fp8_gemm import (DATA_GRADIENT_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
+                                        WARP_SPECIALIZED_ROWS, GemmTiles)
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..telemetry import Telemetry
 from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
@@ -40,11 +41,10 @@ from .swiglu_forward import SwiGLUOutputs, swiglu_quantized
 class ExpertGemms(Enum):
     """How the experts' FP8 GEMMs run (both compute the same block-scaled products)."""
 
-    # One launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py): on SM90 GPUs the CUDA C++
-    # kernels for the weight gradients and, for the forward and data gradients, the faster of the CUDA
-    # and Triton kernels at each shape (timed at its first call: kernels/tile_choice.py); the Triton
-    # kernels elsewhere. The same bits whichever runs. Dispatched MXFP4 tokens are converted to an FP8
-    # copy for the fc1 GEMM.
+    # One launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py): the CUDA C++ kernels on
+    # SM90 GPUs for the forward GEMMs and weight gradients, the Triton kernels for the data gradients
+    # (faster there: grouped_fp8_gemm.DATA_GRADIENT_TILES) and elsewhere (the same bits). Dispatched
+    # MXFP4 tokens are converted to an FP8 copy for the fc1 GEMM.
     GROUPED = "grouped"
     # GROUPED with the fc1 GEMM reading the dispatched MXFP4 tokens as they are, no FP8 copy
     # (grouped_gemm_by_weight_from_mxfp4; SM90 GPUs, hidden a multiple of 512 so that TMA can copy the
@@ -217,20 +217,23 @@ def _fp8_weights(call: ExpertsCall, name: str, weights, transpose: bool) -> FP8S
     return fp8_weights(call.weight_cache, name, weights, transpose)
 
 
-def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype) -> torch.Tensor:
-    """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks)."""
+def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype,
+                    data_gradient: bool = False) -> torch.Tensor:
+    """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks); a data
+    gradient when X is the output gradient and W_e^T the weights."""
     if call.gemms is ExpertGemms.PER_EXPERT:
         return per_expert_products(call.segments, rows, weights, dtype)
-    return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype,
-                                    tiles=_grouped_tiles(call.gemms, DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS))
+    tiles = _grouped_tiles(call.gemms, DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS, data_gradient)
+    return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype, tiles=tiles)
 
 
-def _grouped_tiles(gemms: ExpertGemms, triton_tiles: GemmTiles,
-                   warp_specialized: Optional[GemmTiles] = None) -> Optional[GemmTiles]:
-    """A grouped GEMM's tiles under `gemms`: None (the kernels' entry points choose) for GROUPED; the
-    Gluon kernel's where the GEMM has one under GROUPED_WARP_SPECIALIZED; else the Triton kernel's."""
+def _grouped_tiles(gemms: ExpertGemms, triton_tiles: GemmTiles, warp_specialized: Optional[GemmTiles] = None,
+                   data_gradient: bool = False) -> Optional[GemmTiles]:
+    """A grouped GEMM's tiles under `gemms`: for GROUPED, DATA_GRADIENT_TILES for a data gradient, else
+    None (the device's default, the CUDA kernels on SM90); the Gluon kernel's where the GEMM has one
+    under GROUPED_WARP_SPECIALIZED; else the Triton kernel's."""
     if gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FROM_MXFP4):
-        return None
+        return DATA_GRADIENT_TILES if data_gradient else None
     if gemms is ExpertGemms.GROUPED_WARP_SPECIALIZED and warp_specialized is not None:
         return warp_specialized
     return triton_tiles
@@ -241,7 +244,7 @@ def _linear_backward(call: ExpertsCall, name: str, grad: torch.Tensor, input_col
     in 128x128 blocks) and dW_e (gradient and input both 1x128 along the segment's tokens; zero for
     an expert without tokens)."""
     transposed = _fp8_weights(call, name, weights, True)
-    grad_input = _linear_forward(call, K.quantize_fp8_rows(grad), transposed, grad.dtype)
+    grad_input = _linear_forward(call, K.quantize_fp8_rows(grad), transposed, grad.dtype, data_gradient=True)
     del transposed  # W^T is quantized for this GEMM: not kept for the wgrad
     grad_cols = K.quantize_fp8_cols(grad, call.segments.counts_device, check_counts=False)
     return grad_input, wgrads(weights, grad_cols, input_cols)

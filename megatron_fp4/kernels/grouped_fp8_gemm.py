@@ -40,7 +40,6 @@ from ._checks import check_kernel_device
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 from ._tile_order import swizzled, tile_of_expert
 from . import grouped_fp8_gemm_ws, grouped_gemm_sm90
-from .tile_choice import CHOICES, GemmShape
 
 
 @dataclass(frozen=True)
@@ -102,11 +101,11 @@ CUDA_TILES = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=3, tma
 CUDA_ROWS_TILES = dataclasses.replace(CUDA_TILES, group_m=4)
 CUDA_WIDE_TILES = dataclasses.replace(CUDA_ROWS_TILES, block_n=256, num_stages=2)
 WIDE_FROM = 4096  # N and K from which forward / data-gradient tiles are 256 columns wide
-# Neither kernel wins every forward / data-gradient shape: of the eight H200 sweeps with both (6fc7393
-# to 89150da) the Triton kernel won fc1's data gradient in all eight at 32 experts (947-1004 TFLOP/s;
-# the CUDA kernel's best 910-919 in the last three) and fc1's forward at 8 experts in the last three
-# (by 4-9%), the CUDA kernel fc1's forward at 32 experts in all and fc2's forward in most. So
-# grouped_gemm_by_weight, given no tiles, times both at a shape's first call (rows_gemm_candidates).
+# The experts' data gradients (dY W_e, from W_e^T's blocks) run on the Triton kernel on every GPU: of
+# the eight H200 sweeps with both kernels (6fc7393 to 88829ec) it won fc1's data gradient in all eight
+# at 32 experts (947-1004 TFLOP/s; the CUDA kernel's best 910-919 in the last two) and seven at 8, and
+# fc2's in six at 32 experts and five at 8 (the CUDA kernel 4-5% ahead where it won in the last two).
+DATA_GRADIENT_TILES = DEFAULT_ROWS_TILES
 
 
 def default_tiles(device: torch.device, triton_tiles: GemmTiles,
@@ -334,8 +333,7 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
                            out_dtype=torch.bfloat16, tiles: Optional[GemmTiles] = None) -> torch.Tensor:
     """[M, N]: rows [row_offsets[e], row_offsets[e + 1]) of `rows` (1x128, [M, K]) times weights[e]^T
     (128x128, [N, K]) for every expert e. row_offsets: int64 [E + 1] on the rows' device, from 0 to M.
-    tiles: when None, the faster of rows_gemm_candidates (timed at the first call of each shape, see
-    tile_choice; the same bits whichever runs)."""
+    tiles: default_tiles(device, DEFAULT_ROWS_TILES, (N, K)) when None."""
     name = "grouped_gemm_by_weight"
     if not isinstance(rows, FP8BlockTensor) or rows.layout != ROWWISE:
         raise TypeError(f"{name}: expected a rowwise FP8BlockTensor")
@@ -347,35 +345,8 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
     if weight_k != k:
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
     _check_offsets(name, row_offsets, num_experts, rows.data.device)
-    device = rows.data.device
-    candidates = [tiles] if tiles is not None else rows_gemm_candidates(device, (n, k))
-    for candidate in candidates:
-        _check_rows_launch(name, candidate, rows, weights, out_dtype)
-    out = torch.empty(num_rows, n, dtype=out_dtype, device=device)
-    if num_rows == 0:
-        return out
-
-    def run(chosen: GemmTiles) -> None:
-        _launch_rows_gemm(name, chosen, rows, weights, row_offsets, out)
-
-    shape = GemmShape.of(name, device, num_rows, n, k, num_experts, out_dtype)
-    run(CHOICES.fastest(shape, candidates, run))
-    return out
-
-
-def rows_gemm_candidates(device: torch.device, rows_gemm: Tuple[int, int]) -> List[GemmTiles]:
-    """The tiles grouped_gemm_by_weight times when given none: on SM90 the CUDA kernel's default
-    (default_tiles: first, the choice inside a CUDA graph capture) and the Triton kernel's; elsewhere
-    the Triton kernel's alone."""
-    static = default_tiles(device, DEFAULT_ROWS_TILES, rows_gemm)
-    return [static] if static == DEFAULT_ROWS_TILES else [static, DEFAULT_ROWS_TILES]
-
-
-def _check_rows_launch(name: str, tiles: GemmTiles, rows: FP8BlockTensor, weights: FP8StackedWeights,
-                       out_dtype: torch.dtype) -> None:
-    """Whether grouped_gemm_by_weight can run these operands at `tiles`; raises with the reason."""
-    num_rows, k = rows.shape
-    num_experts, n, _ = weights.data.shape
+    if tiles is None:
+        tiles = default_tiles(rows.data.device, DEFAULT_ROWS_TILES, (n, k))
     _check_tiles(name, tiles, n, k)
     if n % tiles.block_n:
         raise ValueError(f"{name}: N {n} must be a multiple of block_n {tiles.block_n}")
@@ -386,19 +357,14 @@ def _check_rows_launch(name: str, tiles: GemmTiles, rows: FP8BlockTensor, weight
     if tiles.warp_specialized and not rows.data.is_cuda:
         raise RuntimeError(f"{name}: the warp-specialized kernel is Gluon, which Triton's interpreter cannot run; "
                            "pass tiles without warp_specialized on the CPU")
-
-
-def _launch_rows_gemm(name: str, tiles: GemmTiles, rows: FP8BlockTensor, weights: FP8StackedWeights,
-                      row_offsets: torch.Tensor, out: torch.Tensor) -> None:
-    """grouped_gemm_by_weight's products into `out` at `tiles` (checked by _check_rows_launch)."""
-    num_rows, k = rows.shape
-    num_experts, n, _ = weights.data.shape
-    out_dtype = out.dtype
+    out = torch.empty(num_rows, n, dtype=out_dtype, device=rows.data.device)
+    if num_rows == 0:
+        return out
     if tiles.cuda_sm90:
         grouped_gemm_sm90.launch_rows(rows.data, rows.block_scales, weights.data, weights.block_scales, row_offsets,
                                       _stored(out), _cuda_output_mode(name, out_dtype), tiles.num_stages,
                                       tiles.block_n, tiles.group_m)
-        return
+        return out
     num_tiles_m = triton.cdiv(num_rows, tiles.block_m) + num_experts
     if tiles.warp_specialized:
         _check_operand(name, rows.data, True)  # the kernel builds Gluon's own descriptors
@@ -407,7 +373,7 @@ def _launch_rows_gemm(name: str, tiles: GemmTiles, rows: FP8BlockTensor, weights
             rows.data, rows.block_scales, weights.data.view(num_experts * n, k), weights.block_scales, row_offsets,
             _stored(out), num_tiles_m, n // tiles.block_n, n, k, triton.next_power_of_2(num_experts), tiles.group_m,
             tiles.num_stages, out_dtype == torch.bfloat16)
-        return
+        return out
     sub_m = tiles.block_m // tiles.row_halves
     _grouped_gemm_rows_kernel[(num_tiles_m * (n // tiles.block_n),)](
         _operand(name, rows.data, (sub_m, FP8_BLOCK), tiles.tma), rows.block_scales,
@@ -418,6 +384,7 @@ def _launch_rows_gemm(name: str, tiles: GemmTiles, rows: FP8BlockTensor, weights
         ROW_HALVES=tiles.row_halves, TMA=tiles.tma, OUT_BF16=out_dtype == torch.bfloat16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+    return out
 
 
 def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeights, row_offsets: torch.Tensor,

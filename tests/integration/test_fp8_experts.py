@@ -314,11 +314,12 @@ def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device, monke
         _run(narrow, ref.dequantize_mxfp4(narrow_payload), narrow_probs, narrow_grad, narrow_payload)
 
 
-def test_grouped_gemms_leave_the_tiles_to_the_kernels(model_parallel, device, monkeypatch):
-    """ExpertGemms.GROUPED passes no tiles to its four forward / data-gradient GEMMs: the kernels' entry
-    point picks them (on SM90 the faster of the CUDA and Triton kernels per shape)."""
+def test_grouped_gemms_put_the_data_gradients_on_their_tiles(model_parallel, device, monkeypatch):
+    """ExpertGemms.GROUPED: the forward GEMMs take the device's default tiles (tiles=None: the CUDA
+    kernels on SM90), the two data gradients DATA_GRADIENT_TILES (the Triton kernel, faster there)."""
     from megatron_fp4 import kernels as K
     from megatron_fp4.experts import ExpertGemms
+    from megatron_fp4.kernels.grouped_fp8_gemm import DATA_GRADIENT_TILES
 
     payload, probs, grad = _inputs(device)
     layer = _build(model_parallel, device)
@@ -328,7 +329,7 @@ def test_grouped_gemms_leave_the_tiles_to_the_kernels(model_parallel, device, mo
     monkeypatch.setattr(K, "grouped_gemm_by_weight",
                         lambda *a, tiles=None, **k: tiles_asked.append(tiles) or real(*a, tiles=tiles, **k))
     _run(layer, ref.dequantize_mxfp4(payload), probs, grad, payload)
-    assert tiles_asked == [None, None, None, None]
+    assert tiles_asked == [None, None, DATA_GRADIENT_TILES, DATA_GRADIENT_TILES]
 
 
 def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):
