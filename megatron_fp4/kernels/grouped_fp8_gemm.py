@@ -102,9 +102,10 @@ CUDA_ROWS_TILES = dataclasses.replace(CUDA_TILES, group_m=4)
 CUDA_WIDE_TILES = dataclasses.replace(CUDA_ROWS_TILES, block_n=256, num_stages=2)
 WIDE_FROM = 4096  # N and K from which forward / data-gradient tiles are 256 columns wide
 # The experts' data gradients (dY W_e, from W_e^T's blocks) run on the Triton kernel on every GPU: of
-# the eight H200 sweeps with both kernels (6fc7393 to 88829ec) it won fc1's data gradient in all eight
-# at 32 experts (947-1004 TFLOP/s; the CUDA kernel's best 910-919 in the last two) and seven at 8, and
-# fc2's in six at 32 experts and five at 8 (the CUDA kernel 4-5% ahead where it won in the last two).
+# the nine H200 sweeps with both kernels (6fc7393 to 89150da) it won fc1's data gradient in all nine
+# at 32 experts (947-1004 TFLOP/s; the CUDA kernel's best 910-919 in the last three) and eight at 8,
+# and fc2's in six at 32 experts and five at 8 (the CUDA kernel 0-5% ahead where it won in the last
+# three).
 DATA_GRADIENT_TILES = DEFAULT_ROWS_TILES
 
 
