@@ -95,8 +95,8 @@ WARP_SPECIALIZED_ROWS = GemmTiles(block_m=128, block_n=128, num_warps=4, num_sta
 CUDA_TILES = GemmTiles(block_m=128, block_n=128, num_warps=12, num_stages=3, tma=True, cuda_sm90=True)
 # Forward / data gradient: 4 row tiles side by side instead of 8. In-process A/B runs on H200 (same
 # inputs, alternating rounds, equal bits) and the sweep of 88829ec: fc2's forward at 128 columns
-# gained 13-16% (931 against 813 TFLOP/s at 32 experts), fc2's data gradient 5-7%, fc1's forward at
-# 256 columns 1-2%, fc1's data gradient -1% to +1%; groups of 1 and 2 were no better than 4. The
+# gained 13-17% (931 against 813 TFLOP/s at 32 experts), fc2's data gradient 2-7%, fc1's forward at
+# 256 columns 1-2%, fc1's data gradient -2% to +4%; groups of 1 and 2 were no better than 4. The
 # weight gradient was the same at 4 and 8 (within 2%), so it keeps 8.
 CUDA_ROWS_TILES = dataclasses.replace(CUDA_TILES, group_m=4)
 CUDA_WIDE_TILES = dataclasses.replace(CUDA_ROWS_TILES, block_n=256, num_stages=2)
