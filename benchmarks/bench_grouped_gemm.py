@@ -6,7 +6,7 @@ over 32 or 8 local experts with ragged counts (a quarter of the experts empty). 
 fc2; fprop, dgrad and wgrad), measured in the same run:
 - ours: megatron_fp4.kernels.grouped_gemm_by_weight / grouped_wgrad, at each tile config of the
   sweep (the best one is the row; a second row, "at the experts' default tiles", has the config the
-  FP8 experts run by default, against the dense GEMM);
+  FP8 experts run by default, against the dense GEMM; not for fc1_fprop_from_mxfp4, which is opt-in);
 - dense_scaled_mm: torch.nn.functional.scaled_mm with the same block scales on the same total M,
   one dense GEMM (the ceiling a grouped GEMM can approach);
 - grouped_mm_bf16: torch._grouped_mm in BF16 over the same segments, each rounded up to 8 rows
@@ -35,8 +35,9 @@ from triton.runtime.errors import OutOfResources
 from megatron_fp4 import kernels as K
 from megatron_fp4.formats import FP8_BLOCK
 from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_ROWS_TILES, CUDA_TILES, DATA_GRADIENT_TILES, DEFAULT_ROWS_TILES,
-                                                   DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS, default_tiles)
+from megatron_fp4.experts.function import ExpertGemms, grouped_tiles
+from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_ROWS_TILES, CUDA_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
+                                                   WARP_SPECIALIZED_ROWS, default_tiles)
 from megatron_fp4.kernels.grouped_gemm_sm90 import is_sm90
 from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
@@ -151,8 +152,10 @@ def cols_operands(m_counts: torch.Tensor, n: int, k: int):
 
 
 def experts_default_tiles(gpu: torch.device, name: str, n: int, k: int) -> GemmTiles:
-    """The tiles the FP8 experts (ExpertGemms.GROUPED) use for this forward / data-gradient GEMM."""
-    return DATA_GRADIENT_TILES if name.endswith("_dgrad") else default_tiles(gpu, DEFAULT_ROWS_TILES, (n, k))
+    """The tiles the FP8 experts (ExpertGemms.GROUPED) use for this forward / data-gradient GEMM: their
+    choice, or where they leave it to the kernel (None), the kernel's default."""
+    chosen = grouped_tiles(ExpertGemms.GROUPED, DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS, name.endswith("_dgrad"))
+    return chosen or default_tiles(gpu, DEFAULT_ROWS_TILES, (n, k))
 
 
 def record_default(record: Callable[..., None], name: str, experts: int, rates: Dict[GemmTiles, float],
@@ -254,7 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-sweep", action="store_true",
                    help="only the tiles the FP8 experts use by default (on SM90: the CUDA kernels, the Triton kernel for "
-                        "the data gradients)")
+                        "the data gradients; fc1_fprop_from_mxfp4: the CUDA kernel's default tiles)")
     everything = [*ROWS_GEMMS, *WGRAD_GEMMS, *MXFP4_GEMMS]
     p.add_argument("--gemms", nargs="+", choices=everything, default=everything,
                    help="the GEMMs to measure (default: all seven; fc1_fprop_from_mxfp4 on SM90 GPUs only)")

@@ -52,6 +52,7 @@ from benchmarks.common import (finish, interleaved_medians_ms, layer_options, la
 
 BENCH = "bench_moe_layer"
 HOST_STEPS = 5  # steps timed for the host time, at most --iters
+HOST_WALL = "wall time per step over back-to-back steps"  # the reference of the host time's share
 
 
 def parse_args(argv):
@@ -60,7 +61,8 @@ def parse_args(argv):
     p.add_argument("--gemm-variants", action="store_true",
                    help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT), with "
                    "their weights quantized per use (--moe-fp4-weights-per-use), on the Triton GEMM kernels "
-                   "(ExpertGemms.GROUPED_TRITON; the CUDA ones are the default on SM90), with fc1 reading the "
+                   "(ExpertGemms.GROUPED_TRITON; on SM90 the default runs the forward and weight-gradient GEMMs on "
+                   "the CUDA ones), with fc1 reading the "
                    "dispatched MXFP4 tokens itself (ExpertGemms.GROUPED_FROM_MXFP4, SM90 only), with the "
                    "warp-specialized "
                    "Gluon fprop/dgrad kernel (GPU only), and the FP8 baseline behind megatron_fp4's permute (the FP4 "
@@ -317,6 +319,8 @@ def record_experts_rows(rows: dict, ceiling, ceiling_name: str, log, recorder) -
         for metric, key, unit in metrics:
             if key in r and stock[key] > 0:
                 recorder.add(name, metric, r[key], unit, STOCK, stock[key])
+        if r["wall"] > 0:  # the host time's share of the wall time it was taken from
+            recorder.add(name, "host time (wall - GPU busy)", r["host"], "ms", HOST_WALL, r["wall"])
         recorder.add(name, "experts GEMM rate over the layer time", r["TFLOP/s"], "TFLOP/s", GROUPED_MM,
                      peer["TFLOP/s"])
         if ceiling:

@@ -93,7 +93,7 @@ def weight_gradients(params, grad_cols, input_cols, dtype, call: ExpertsCall) ->
 def _wgrad(call: ExpertsCall, grad_cols, input_cols, dtype, accumulate_into):
     if call.gemms is not ExpertGemms.PER_EXPERT:
         return K.grouped_wgrad(grad_cols, input_cols, dtype, accumulate_into=accumulate_into,
-                               tiles=_grouped_tiles(call.gemms, DEFAULT_WGRAD_TILES))
+                               tiles=grouped_tiles(call.gemms, DEFAULT_WGRAD_TILES))
     return per_expert_wgrad(call.segments, grad_cols, input_cols, dtype, accumulate_into)
 
 
@@ -223,15 +223,15 @@ def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype,
     gradient when X is the output gradient and W_e^T the weights."""
     if call.gemms is ExpertGemms.PER_EXPERT:
         return per_expert_products(call.segments, rows, weights, dtype)
-    tiles = _grouped_tiles(call.gemms, DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS, data_gradient)
+    tiles = grouped_tiles(call.gemms, DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS, data_gradient)
     return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype, tiles=tiles)
 
 
-def _grouped_tiles(gemms: ExpertGemms, triton_tiles: GemmTiles, warp_specialized: Optional[GemmTiles] = None,
-                   data_gradient: bool = False) -> Optional[GemmTiles]:
-    """A grouped GEMM's tiles under `gemms`: for GROUPED, DATA_GRADIENT_TILES for a data gradient, else
-    None (the device's default, the CUDA kernels on SM90); the Gluon kernel's where the GEMM has one
-    under GROUPED_WARP_SPECIALIZED; else the Triton kernel's."""
+def grouped_tiles(gemms: ExpertGemms, triton_tiles: GemmTiles, warp_specialized: Optional[GemmTiles] = None,
+                  data_gradient: bool = False) -> Optional[GemmTiles]:
+    """A grouped GEMM's tiles under `gemms`: for GROUPED and GROUPED_FROM_MXFP4, DATA_GRADIENT_TILES for a
+    data gradient, else None (the kernel's default_tiles: the CUDA kernels on SM90); the Gluon kernel's
+    where the GEMM has one under GROUPED_WARP_SPECIALIZED; else the Triton kernel's."""
     if gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FROM_MXFP4):
         return DATA_GRADIENT_TILES if data_gradient else None
     if gemms is ExpertGemms.GROUPED_WARP_SPECIALIZED and warp_specialized is not None:

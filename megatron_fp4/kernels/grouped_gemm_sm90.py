@@ -76,7 +76,7 @@ def check_tiles(name: str, gemm: Sm90Gemm, stages: int, block_n: int, group_m: i
 
 
 @lru_cache(maxsize=None)
-def build(gemm: Sm90Gemm, stages: int, block_n: int = FP8_BLOCK, group_m: int = 8):
+def build(gemm: Sm90Gemm, stages: int, block_n: int, group_m: int):
     """(the kernel, ptxas's report) at `stages` pipeline stages, tiles of block_n columns and group_m
     row tiles side by side in the tile order (compiled once per process)."""
     defines = (("STAGES", stages), ("BLOCK_N", block_n), ("GROUP_M", group_m), ("MAX_EXPERTS", MAX_EXPERTS))

@@ -109,6 +109,7 @@ def test_the_layer_benchmark_runs_every_variant_at_ep1_and_writes_rows(tmp_path)
     for case in CASES:
         assert EVERY_CASE <= {metric for metric, _ in metrics[case]}, case
         assert ("layer forward+backward", bench.STOCK) in metrics[case]
+        assert ("host time (wall - GPU busy)", bench.HOST_WALL) in metrics[case]
         assert ("experts GEMM rate over the layer time", bench.GROUPED_MM) in metrics[case]
     for case in (bench.FP8_BASELINE, bench.FP4_FP8):
         assert ("layer forward+backward", bench.GROUPED_MM) in metrics[case]

@@ -277,7 +277,9 @@ def test_per_expert_gemms_match_the_grouped_ones(model_parallel, device):
 
 @pytest.mark.gpu
 def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device, monkeypatch):
-    """On an SM90 GPU the grouped GEMMs default to the CUDA kernels, and ExpertGemms.GROUPED_FROM_MXFP4
+    """On an SM90 GPU the grouped GEMMs default to the CUDA kernels for the forward GEMMs and weight
+    gradients (the data gradients run on the Triton kernel: DATA_GRADIENT_TILES; the kernel tests
+    compare the CUDA kernel on those shapes), and ExpertGemms.GROUPED_FROM_MXFP4
     has fc1 read the dispatched MXFP4 rows itself (hidden 512: rows of 272 bytes, which TMA can copy):
     the layer's output, input and probs gradients and weight gradients equal those of the Triton
     kernels (ExpertGemms.GROUPED_TRITON) bit for bit. Hidden 256 (8 scale bytes a row) is refused."""

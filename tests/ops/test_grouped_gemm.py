@@ -345,15 +345,15 @@ def test_the_cuda_kernels_are_the_default_on_sm90_only(monkeypatch):
 
 def _cuda_tiles(kernel: str, columns: int):
     """Every stage count of a CUDA kernel ("ROWS" or "WGRAD") at both tile widths that divide the
-    output's columns, in its default row-tile groups; and the first of them in groups of 1 and of 8
-    (another tile order: the same sums)."""
+    output's columns, in its default row-tile groups; and the first of them in the other groups of 1,
+    4 and 8 (another tile order: the same sums)."""
     from megatron_fp4.kernels import grouped_gemm_sm90 as sm90
 
     gemm = getattr(sm90, kernel)
     default = CUDA_ROWS_TILES if kernel == "ROWS" else CUDA_TILES
     tiles = [dataclasses.replace(default, num_stages=stages, block_n=block_n) for block_n in sm90.BLOCK_NS
              if columns % block_n == 0 for stages in gemm.stage_counts(block_n)]
-    return tiles + [dataclasses.replace(tiles[0], group_m=group_m) for group_m in (1, 8) if group_m != default.group_m]
+    return tiles + [dataclasses.replace(tiles[0], group_m=group_m) for group_m in (1, 4, 8) if group_m != default.group_m]
 
 
 @pytest.mark.gpu

@@ -103,6 +103,8 @@ def test_refusals(device):
         K.grouped_gemm_by_weight_from_mxfp4(rows, _weights(2, 256, 1024, device, seed=5), offsets, tiles=CUDA_TILES)
     with pytest.raises(ValueError, match="2 to 4 stages at block_n 128"):
         K.grouped_gemm_by_weight_from_mxfp4(rows, weights, offsets, tiles=dataclasses.replace(CUDA_TILES, num_stages=5))
+    with pytest.raises(ValueError, match="group_m 1 to 64"):
+        K.grouped_gemm_by_weight_from_mxfp4(rows, weights, offsets, tiles=dataclasses.replace(CUDA_TILES, group_m=0))
     if device.type == "cpu":
         with pytest.raises(RuntimeError, match="needs a GPU"):
             K.grouped_gemm_by_weight_from_mxfp4(rows, weights, offsets, tiles=CUDA_TILES)

@@ -55,26 +55,28 @@ def test_every_launched_kernel_declares_its_sm90_signature():
 
 
 def test_cuda_kernels_compile_for_sm90a_without_spills():
-    """NVRTC compiles the CUDA C++ GEMM kernels for sm_90a at every stage count and width they accept,
-    on this machine, within the registers their launch bound gives (65536 / 384 threads; the consumers
-    raise theirs with setmaxnreg): with no stack frame or spills, but for the rows kernels at 256 columns
-    (the default for N >= 4096), which spill at most 64 bytes, outside their K loop (checked in the FP8
-    kernel's SASS when this bound was set: the 56 bytes are tile set-up and epilogue values; the MXFP4
-    kernel 20)."""
+    """NVRTC compiles the CUDA C++ GEMM kernels for sm_90a at every stage count and width they accept, in
+    both default groups of row tiles (4: forward / data gradient, 8: weight gradient), on this machine,
+    within the registers their launch bound gives (65536 / 384 threads; the consumers raise theirs with
+    setmaxnreg): with no stack frame or spills, but for the rows kernels at 256 columns (the forward /
+    data-gradient default where N and K are >= 4096), which spill at most 64 bytes, outside their K loop
+    (checked in the FP8 kernel's SASS when this bound was set: tile set-up and epilogue values)."""
     import re
 
     import pytest
     import torch
 
     from megatron_fp4.kernels import grouped_gemm_sm90 as sm90
+    from megatron_fp4.kernels.grouped_fp8_gemm import CUDA_ROWS_TILES, CUDA_TILES
 
     assert list(sm90.ROWS_MXFP4.stage_counts(128)) == [2, 3, 4] and list(sm90.ROWS_MXFP4.stage_counts(256)) == [2]
     for gemm in (sm90.WGRAD, sm90.ROWS, sm90.ROWS_MXFP4):
         if gemm is not sm90.ROWS_MXFP4:
             assert list(gemm.stage_counts(128)) == [2, 3, 4, 5] and list(gemm.stage_counts(256)) == [2, 3]
-        for block_n in (128, 256):
+        for block_n, group_m in [(b, g) for b in (128, 256) for g in sorted({CUDA_ROWS_TILES.group_m,
+                                                                                CUDA_TILES.group_m})]:
             for stages in gemm.stage_counts(block_n):
-                _, report = sm90.build(gemm, stages, block_n)
+                _, report = sm90.build(gemm, stages, block_n, group_m)
                 if not report and torch.cuda.is_available():  # seen on the GPU machines' NVRTC; CI's reports
                     pytest.skip("this NVRTC gives no ptxas report")
                 assert "warning" not in report.lower(), report  # e.g. ptxas ignoring a setmaxnreg (C7508)
