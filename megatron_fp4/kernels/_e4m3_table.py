@@ -5,9 +5,8 @@ make, is 0. tests/ops/test_grouped_gemm_mxfp4.py holds it to megatron_fp4.refere
 
 import torch
 
-from ..formats import E8M0_MAX_FINITE, FP4_TO_FP8_HEADROOM_LOG2
+from ..formats import E2M1_MAGNITUDES, E8M0_MAX_FINITE, FP4_TO_FP8_HEADROOM_LOG2
 
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 GAPS = 256
 
 
