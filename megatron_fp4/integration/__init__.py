@@ -7,7 +7,7 @@ from ..options import FP4Options
 from .attention_spec import use_fused_attention
 from .experts_spec import use_fp8_experts
 from .linears_spec import use_fp8_linears
-from .moe_layer import FP4MoELayer, count_fp4_moe_layers, use_fp4_dispatch
+from .moe_layer import FP4MoELayer, use_fp4_dispatch
 
 
 def use_fp4(spec, options: FP4Options):
@@ -19,5 +19,5 @@ def use_fp4(spec, options: FP4Options):
     return use_fused_attention(spec, options)
 
 
-__all__ = ["FP4MoELayer", "FP4Options", "count_fp4_moe_layers", "use_fp4", "use_fp4_dispatch", "use_fp8_experts",
+__all__ = ["FP4MoELayer", "FP4Options", "use_fp4", "use_fp4_dispatch", "use_fp8_experts",
            "use_fp8_linears", "use_fused_attention"]

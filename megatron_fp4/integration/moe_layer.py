@@ -165,9 +165,4 @@ def use_fp4_dispatch(spec, options: FP4Options):
     return rewrite_spec(spec, _fp4_moe_layer(options))
 
 
-def count_fp4_moe_layers(model) -> int:
-    """How many MoE layers of a built model dispatch in FP4 (for the launcher's start-up line)."""
-    return sum(isinstance(m, FP4MoELayer) for m in model.modules())
-
-
-__all__ = ["CacheRole", "FP4MoELayer", "LayerForward", "count_fp4_moe_layers", "use_fp4_dispatch"]
+__all__ = ["CacheRole", "FP4MoELayer", "LayerForward", "use_fp4_dispatch"]

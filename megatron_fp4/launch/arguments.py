@@ -8,11 +8,12 @@ from megatron.training.arguments import parse_args as megatron_parse_args
 from .. import options
 from ..options import Route, before_megatron_validation
 from ..run_config import GPU_MEMORY_CAP_ENV
+from .census_watch import watch as watch_the_model
 from .installed import HAVE_APEX, HAVE_APEX_GRAD_ACCUM, HAVE_FUSED_SOFTMAX, HAVE_TE
 from .refusal import check_args
 from .telemetry_log import install as install_telemetry_log
 from .workarounds import (NO_EVALUATION_INTERVAL, escape_percent_in_help,
-                          recompute_without_output_without_transformer_engine)
+                          recompute_without_output_without_transformer_engine, use_prebuilt_dataset_helpers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -80,13 +81,17 @@ def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
                             route: Route = Route.PLUGIN) -> argparse.Namespace:
     """Megatron's parse_and_validate_args (same arguments) with our flags added, then our
     validation: a configuration the plugin refuses stops the run with one sentence and exit
-    status 2, before Megatron initializes anything on the GPU. With --moe-fp4-telemetry, Megatron's
+    status 2, before Megatron initializes anything on the GPU. The model built from these arguments
+    is counted at its first forward pass (census_watch): one line says what runs FP4, and a model
+    without our layers where the flags ask for them is refused. With --moe-fp4-telemetry, Megatron's
     training log reports the telemetry (telemetry_log). Without Transformer Engine, Megatron's
-    layernorm recompute gets the fix the launcher applies (workarounds.py)."""
+    layernorm recompute gets the fix the launcher applies, and with the megatron-core wheel (no
+Makefile for its dataset helpers) Megatron's `make` of them is skipped (workarounds.py)."""
     provider = _chain(add_arguments, extra_args_provider)
     check_before_megatron_validates(provider, ignore_unknown_args, args_defaults or {}, route)
     args = megatron_parse_and_validate_args(provider, ignore_unknown_args, args_defaults or {})
-    check_args(args, route)
+    watch_the_model(check_args(args, route))
     install_telemetry_log(args)
     recompute_without_output_without_transformer_engine()
+    use_prebuilt_dataset_helpers()
     return args

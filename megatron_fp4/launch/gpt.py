@@ -17,18 +17,16 @@ from megatron.training import get_args, get_timers, get_tokenizer, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import get_blend_and_blend_per_split
 
-from ..experts import FP8Experts
-from ..integration import count_fp4_moe_layers, use_fp4
-from ..linears import FP8ColumnParallelLinear, FP8RowParallelLinear
+from ..integration import use_fp4
 from ..options import FP4Options
 from .data_order import data_seed, validation_identity_line
 from .installed import HAVE_TE
 
 
 def layer_spec(spec, args=None):
-    """`spec` (a layer, decoder block or MTP block spec) with the MoE layers our flags ask for:
-    use_fp4 with the options of `args` (default: Megatron's parsed arguments). Each FP4MoELayer
-    validates the configuration again when built."""
+    """`spec` (a layer, decoder block or MTP block spec; None stays None) with the MoE layers our
+    flags ask for: use_fp4 with the options of `args` (default: Megatron's parsed arguments). Each
+    FP4MoELayer validates the configuration again when built."""
     return use_fp4(spec, FP4Options.from_args(get_args() if args is None else args))
 
 
@@ -54,7 +52,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     if config is None:
         config = core_transformer_config_from_args(args)
     decoder_spec, mtp_spec = build_specs(args, config, vp_stage)
-    model = GPTModel(
+    return GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec,
         vocab_size=args.padded_vocab_size,
@@ -74,10 +72,6 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
-    print_rank_0(f"> MoE layers dispatching in MXFP4 on this stage: {count_fp4_moe_layers(model)}; "
-                 f"with FP8 experts: {sum(isinstance(m, FP8Experts) for m in model.modules())}; FP8 linear layers: "
-                 f"{sum(isinstance(m, (FP8ColumnParallelLinear, FP8RowParallelLinear)) for m in model.modules())}")
-    return model
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):

@@ -8,6 +8,7 @@ from megatron.training import pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
 from ..options import Route
+from .census_watch import watch as watch_the_model
 from .arguments import LAUNCHER_DEFAULTS, add_launcher_arguments, check_before_megatron_validates, parse_launcher_args
 from .gpt import forward_step, model_provider, train_valid_test_datasets_provider
 from .memory_cap import apply_memory_cap
@@ -20,7 +21,8 @@ from .workarounds import (full_validation_of_one_set, recompute_without_output_w
 def main():
     check_before_megatron_validates(add_launcher_arguments, False, LAUNCHER_DEFAULTS, Route.LAUNCHER)
     args = parse_launcher_args()
-    check_args(args, Route.LAUNCHER)  # right after Megatron's own validation, before any GPU work
+    # right after Megatron's own validation, before any GPU work
+    watch_the_model(check_args(args, Route.LAUNCHER))
     install_telemetry_log(args)
     apply_memory_cap(args.local_rank)
 

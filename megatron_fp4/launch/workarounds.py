@@ -3,6 +3,7 @@ from our launcher; each fix says why. None changes what a run computes."""
 
 import argparse
 import functools
+import os
 import re
 
 from .installed import importable
@@ -25,11 +26,12 @@ def escape_percent_in_help(parser: argparse.ArgumentParser) -> None:
 
 def use_prebuilt_dataset_helpers() -> None:
     """Megatron's initialize runs `make` in megatron/core/datasets to build its C++ index helpers;
-    the wheel ships them compiled but without the Makefile, so that step fails: skip it when the
-    compiled helpers import."""
-    if importable("megatron.core.datasets.helpers_cpp"):
-        import megatron.core.datasets.utils as dataset_utils
+    the wheel ships them compiled but without the Makefile, so that step fails: skip it when there
+    is no Makefile and the compiled helpers import (a Megatron-LM checkout still runs its make)."""
+    import megatron.core.datasets.utils as dataset_utils
 
+    makefile = os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")
+    if not os.path.exists(makefile) and importable("megatron.core.datasets.helpers_cpp"):
         dataset_utils.compile_helpers = lambda: None
 
 

@@ -13,3 +13,13 @@ def one_rank():
     yield
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def no_census_after_the_test():
+    """A test that parses our flags in this process leaves no start-up census hooks behind (they
+    would count, and may refuse, the next test's model)."""
+    yield
+    from megatron_fp4.launch import census_watch
+
+    census_watch.stop()

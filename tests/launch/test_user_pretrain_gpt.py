@@ -1,78 +1,146 @@
-"""The three lines of megatron_fp4.launch's docstring, added to a copy of a Megatron-LM-style
-pretrain_gpt.py (tests/data/megatron_lm_pretrain_gpt.py), on CPU: they are all that changes; our
-flags parse; a refused configuration stops with one sentence and exit status 2; the model provider
-hands GPTModel a spec with FP4MoELayer and FP8Experts, in the decoder and the MTP layer."""
+"""The lines of megatron_fp4.launch's docstring, added to copies of project-written stand-ins of
+Megatron-LM's training scripts (tests/data/megatron_lm_0_19: pretrain_gpt.py, whose model the
+megatron-core wheel builds from a GPTModelConfig; tests/data/megatron_lm_0_18: pretrain_gpt.py and
+gpt_builders.py), against that release's wheel, on CPU: they are all that changes; our flags parse;
+a refused configuration stops with one sentence; with the lines, every MoE layer of the decoder
+and of the MTP layer dispatches in MXFP4 with FP8 experts and a few steps train (the census line
+says so); without them (0.19) or with the decoder's line but not the MTP one (0.18), the run stops
+at its first forward pass with one sentence, exit status 2."""
 
 import difflib
-import importlib
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from megatron.training.global_vars import unset_global_variables
 
 import megatron_fp4.launch as fp4
-from megatron_fp4.experts import FP8Experts
-from megatron_fp4.integration import FP4MoELayer
-from megatron_fp4.run_config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-STAND_IN = ROOT / "tests" / "data" / "megatron_lm_pretrain_gpt.py"
-PROXY_ONE_GPU = ROOT / "configs" / "proxy" / "gpus1.yaml"
+DATA = ROOT / "tests" / "data"
+RUNNER = ROOT / "tests" / "support" / "user_script_on_cpu.py"
+MEGATRON_0_18 = ROOT / ".megatron-versions" / "0.18.2"
 SMALL_MOE = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
              "--max-position-embeddings", "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
              "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--num-experts", "4"]
+# Two MoE layers and one MTP layer, Megatron's local layers (no Transformer Engine here), two steps.
+TRAINING = [
+    "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "2",
+    "--seq-length", "16", "--max-position-embeddings", "16", "--position-embedding-type", "rope",
+    "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-experts", "2", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "128", "--moe-token-dispatcher-type", "alltoall", "--swiglu", "--disable-bias-linear",
+    "--bf16", "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+    "--no-persist-layer-norm", "--no-rope-fusion", "--distributed-backend", "gloo", "--log-interval", "1",
+    "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234", "--mtp-num-layers", "1",
+    "--moe-fp4-dispatch", "--moe-fp4-experts", "fp8",
+]
+CENSUS = "megatron_fp4: 2 of 2 MoE layers and 1 of 1 MTP layers (3 of 3 with FP8 experts): MXFP4 dispatch, FP8 experts"
+REFUSAL = ("error: --moe-fp4-dispatch asks for {what}, and the model on this rank has 0 of {asked}: the training "
+           "script builds Megatron's layers without megatron_fp4's layer spec; apply the lines of "
+           "docs/integration.md for your Megatron-LM release.")
 
 
-def documented_lines() -> list:
-    """The code lines of the docstring's "three lines" block, without their comments."""
-    doc = fp4.__doc__.splitlines()
-    start = next(i for i, line in enumerate(doc) if "needs three lines" in line) + 2
-    block = doc[start:doc.index("", start)]
-    return [line.split("  #")[0].strip() for line in block]
+def documented_blocks() -> list:
+    """The code blocks of the docstring (lines indented by four spaces), without their comments."""
+    blocks, block = [], []
+    for line in fp4.__doc__.splitlines():
+        if line.startswith("    ") and line.strip():
+            block.append(line.split("  #")[0].strip())
+        elif block:
+            blocks.append(block)
+            block = []
+    return blocks + ([block] if block else [])
 
 
-def with_three_lines(text: str) -> str:
-    """`text` (a pretrain_gpt.py) with the documented lines: the import after Megatron's imports,
-    our parse_and_validate_args for Megatron's, the spec swap before the MTP spec is built."""
-    imported, parse, swap = documented_lines()
+def _once(text: str, anchor: str) -> str:
+    assert text.count(anchor) == 1, anchor
+    return anchor
+
+
+def with_parse_line(text: str) -> str:
+    """A stand-in pretrain_gpt.py with the import and our parse_and_validate_args."""
+    imported, parse = documented_blocks()[0][:2]
     assert parse == "args = fp4.parse_and_validate_args(...)"
-
-    def once(anchor):
-        assert text.count(anchor) == 1, anchor
-        return anchor
-
-    last_import = once("from megatron.training.arguments import core_transformer_config_from_args, "
-                       "parse_and_validate_args\n")
+    last_import = _once(text, "from megatron.training.arguments import parse_and_validate_args\n")
     text = text.replace(last_import, last_import + imported + "\n")
-    text = text.replace(once("    args = parse_and_validate_args("), "    args = fp4.parse_and_validate_args(")
-    mtp = once("    mtp_block_spec = None\n")
-    return text.replace(mtp, f"    {swap}\n{mtp}")
+    return text.replace(_once(text, "    args = parse_and_validate_args("), "    args = fp4.parse_and_validate_args(")
 
 
-@pytest.fixture
-def user_script(tmp_path):
-    script = tmp_path / "pretrain_gpt.py"
-    script.write_text(with_three_lines(STAND_IN.read_text()))
-    return script
+def lines_0_19(text: str, spec_line: bool = True) -> str:
+    """0.19's pretrain_gpt.py with the documented lines (the model-config line only if spec_line)."""
+    text = with_parse_line(text)
+    if not spec_line:
+        return text
+    config_line = documented_blocks()[0][2]
+    built = _once(text, "    model_cfg = gpt_config_from_args(args)\n")
+    return text.replace(built, f"{built}    {config_line}\n")
+
+
+def lines_0_18_builders(text: str, mtp_line: bool = True) -> str:
+    """0.18's gpt_builders.py with the import and the spec lines right before GPTModel (the MTP
+    one only if mtp_line)."""
+    imported = documented_blocks()[0][0]
+    decoder_line, mtp = documented_blocks()[1]
+    last_import = _once(text, "from megatron.training.arguments import core_transformer_config_from_args\n")
+    text = text.replace(last_import, last_import + imported + "\n")
+    spec_lines = [decoder_line, *([mtp] if mtp_line else [])]
+    model = _once(text, "    model = GPTModel(\n")
+    return text.replace(model, "".join(f"    {line}\n" for line in spec_lines) + model)
+
+
+def _changes(before: str, after: str) -> list:
+    return [line for line in difflib.unified_diff(before.splitlines(), after.splitlines(), lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
+def _release_folder(tmp: Path, release: str, **lines) -> Path:
+    """A copy of the release's stand-in with the documented lines, in tmp/<release>."""
+    folder = tmp / release
+    folder.mkdir()
+    source = DATA / f"megatron_lm_{release.replace('.', '_')}"
+    for path in source.glob("*.py"):
+        text = path.read_text()
+        if path.name == "pretrain_gpt.py":
+            text = lines_0_19(text, **lines) if release == "0.19" else with_parse_line(text)
+        elif path.name == "gpt_builders.py":
+            text = lines_0_18_builders(text, **lines)
+        (folder / path.name).write_text(text)
+    (tmp / "megatron_lm_gpt_data.py").write_text((DATA / "megatron_lm_gpt_data.py").read_text())
+    return folder
+
+
+def test_the_documented_lines_are_all_that_changes(tmp_path):
+    folder = _release_folder(tmp_path, "0.19")
+    changes = _changes((DATA / "megatron_lm_0_19" / "pretrain_gpt.py").read_text(),
+                       (folder / "pretrain_gpt.py").read_text())
+    assert sum(line.startswith("+") for line in changes) == 3 and len(changes) == 4, changes  # one line changed
+    folder = _release_folder(tmp_path, "0.18")
+    changes = _changes((DATA / "megatron_lm_0_18" / "pretrain_gpt.py").read_text(),
+                       (folder / "pretrain_gpt.py").read_text())
+    assert sum(line.startswith("+") for line in changes) == 2 and len(changes) == 3, changes
+    changes = _changes((DATA / "megatron_lm_0_18" / "gpt_builders.py").read_text(),
+                       (folder / "gpt_builders.py").read_text())
+    assert changes == [f"+{documented_blocks()[0][0]}", *(f"+    {line}" for line in documented_blocks()[1])]
+
+
+def _env() -> dict:
+    env = {"PATH": "/usr/bin:/bin", "WORLD_SIZE": "1", "RANK": "0", "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           # this checkout's package, also where another one is installed
+           "PYTHONPATH": str(ROOT)}
+    return env
 
 
 def _run(script, *argv):
     return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=300,
-                          check=False, cwd=ROOT,
-                          # this checkout's package, also where another one is installed
-                          env={"PATH": "/usr/bin:/bin", "WORLD_SIZE": "1", "RANK": "0", "PYTHONPATH": str(ROOT)})
+                          check=False, cwd=ROOT, env=_env())
 
 
-def test_three_lines_are_all_that_changes(user_script):
-    original = STAND_IN.read_text().splitlines()
-    diff = [line for line in difflib.unified_diff(original, user_script.read_text().splitlines(), lineterm="", n=0)
-            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    added = [line for line in diff if line.startswith("+")]
-    assert len(added) == 3, diff
-    assert len(diff) - len(added) == 1  # the one changed line: Megatron's parse_and_validate_args
+@pytest.fixture
+def user_script(tmp_path):
+    return _release_folder(tmp_path, "0.19") / "pretrain_gpt.py"
 
 
 def test_user_script_parses_our_flags(user_script):
@@ -92,36 +160,55 @@ def test_user_script_refuses_with_one_sentence(user_script):
     assert result.stdout == "" and "Traceback" not in result.stderr
 
 
-@pytest.fixture
-def user_module(user_script, monkeypatch):
-    """The copy imported as its training run would have it: Megatron's globals set by line 2."""
-    monkeypatch.syspath_prepend(str(user_script.parent))
-    monkeypatch.delitem(sys.modules, "pretrain_gpt", raising=False)
-    module = importlib.import_module("pretrain_gpt")
-    yield module
-    sys.modules.pop("pretrain_gpt", None)
-    unset_global_variables()
+# (release, the lines left out, expected exit status)
+RUNS = {"0.19": ("0.19", {}, 0), "0.19 without the model-config line": ("0.19", {"spec_line": False}, 2),
+        "0.18": ("0.18", {}, 0), "0.18 without the MTP line": ("0.18", {"mtp_line": False}, 2)}
 
 
-def test_user_model_provider_builds_fp4_layers_and_fp8_experts(user_module, one_rank, monkeypatch):
-    argv = [*load_config(PROXY_ONE_GPU).argv(), "--moe-fp4-dispatch", "--moe-fp4-experts", "fp8",
-            "--transformer-impl", "local", "--no-gradient-accumulation-fusion"]
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the validation's view of a GPU machine
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))  # Hopper
-    unset_global_variables()
-    fp4.parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})  # line 2, as the script
-    built = {}
-    monkeypatch.setattr(user_module, "GPTModel", lambda **kwargs: built.update(kwargs))  # MoE layers need CUDA
-    user_module.model_provider()
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each of RUNS trained by its stand-in, all four processes at once: name -> (completed
+    process, megatron-core version the process imported)."""
+    if not (MEGATRON_0_18 / "megatron" / "core" / "package_info.py").is_file():
+        why = f"megatron-core 0.18.2 is not installed in {MEGATRON_0_18}: run .ci/run"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    started = {}
+    for port, (name, (release, lines, _)) in enumerate(RUNS.items(), start=29650):
+        folder = _release_folder(tmp_path_factory.mktemp("run"), release, **lines)
+        megatron = str(MEGATRON_0_18) if release == "0.18" else "-"
+        started[name] = subprocess.Popen(
+            [sys.executable, str(RUNNER), megatron, str(port), str(folder / "pretrain_gpt.py"), *TRAINING],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+    done = {}
+    for name, process in started.items():
+        stdout, stderr = process.communicate(timeout=600)
+        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return done
 
-    mlps = [layer.submodules.mlp for layer in built["transformer_layer_spec"].layer_specs]
-    mlps.append(built["mtp_block_spec"].layer_specs[0].submodules.mtp_model_layer.submodules.mlp)
-    moe = mlps[1:]
-    assert len(moe) == 6  # 5 MoE decoder layers after the dense one, and the MTP layer
-    assert getattr(mlps[0], "func", None) is not FP4MoELayer
-    for layer in moe:
-        assert layer.func is FP4MoELayer
-        assert layer.keywords["submodules"].experts.func is FP8Experts
+
+def _iterations(stdout: str) -> list:
+    return re.findall(r" iteration +(\d+)/ +2 \|.* lm loss: (\S+) \|.* mtp_1 loss: (\S+) \|", stdout)
+
+
+@pytest.mark.parametrize("release", ["0.19", "0.18"])
+def test_the_lines_make_every_moe_and_mtp_layer_fp4_and_it_trains(runs, release):
+    result = runs[release]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"megatron-core {release}." in result.stderr  # the release's own wheel built the model
+    assert CENSUS in result.stdout.splitlines()
+    steps = _iterations(result.stdout)
+    assert [step for step, _, _ in steps] == ["1", "2"], result.stdout[-3000:]
+    assert all(0 < float(loss) < 10 and 0 < float(mtp) < 10 for _, loss, mtp in steps)
+
+
+@pytest.mark.parametrize("name, what, asked", [
+    ("0.19 without the model-config line", "MoE layers dispatching in MXFP4", 2),
+    ("0.18 without the MTP line", "MTP layers' MoE layers dispatching in MXFP4", 1),
+])
+def test_without_the_lines_the_run_stops_before_a_step(runs, name, what, asked):
+    result = runs[name]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == REFUSAL.format(what=what, asked=asked)
+    assert _iterations(result.stdout) == [] and "Traceback" not in result.stderr

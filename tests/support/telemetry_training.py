@@ -3,10 +3,8 @@ main, Megatron's pretrain() and training loop) on the CPU, run as its own proces
 
     python tests/support/telemetry_training.py RANK WORLD PORT OUT_JSON [extra launcher flags]
 
-torch.cuda is emulated (cuda_on_cpu.py, megatron_training_on_cpu.py), gloo between the ranks, EP =
-WORLD. Three more stand-ins for a CPU process: CUDA available as Megatron's and our start-up checks
-see it (Hopper), no torch.compile (Megatron's fused kernels run eagerly) and no pinned-memory data
-loading. Megatron's TensorBoard and W&B writers are stand-ins that record what they are given.
+The process is set up as a GPU machine by training_on_cpu.py, EP = WORLD. Megatron's TensorBoard
+and W&B writers are stand-ins that record what they are given.
 
 OUT_JSON gets, per rank: Megatron's iteration log lines (stdout), the scalars written to both
 writers, and the host reads (Tensor.item, .tolist, .numpy, .cpu, bool/int/float of a tensor) made
@@ -96,24 +94,11 @@ def counting_host_reads(reads: list):
 
 def main(rank: int, world: int, port: int, out_json: str, extra: list) -> None:
     sys.path[:0] = [ROOT, TESTS]
-    from support import cuda_on_cpu  # before Megatron, which reads torch.cuda at import
+    from support import training_on_cpu
 
-    cuda_on_cpu.install()
-    from support import megatron_training_on_cpu
-
-    megatron_training_on_cpu.install()
-    import torch
-    import torch._dynamo
-
-    torch.set_num_threads(1)
-    torch._dynamo.config.disable = True  # Megatron's jit_fuser kernels need a GPU to compile; eager instead
-    torch.cuda.is_available = lambda: True  # the start-up checks of a GPU machine (cuda_on_cpu: Hopper)
-    torch.accelerator.is_available = lambda: False  # no pinned memory for the data loader
-    torch.accelerator.current_device_index = lambda: 0
-    import megatron.training.initialize as megatron_initialize
+    training_on_cpu.prepare(rank, world, port)
     from megatron.training import training
 
-    megatron_initialize._warmup_jit_function = lambda *args, **kwargs: None  # compiles Megatron's fusions
     writers = {"tensorboard": Writer(), "wandb": Writer()}
     training.get_tensorboard_writer = lambda: writers["tensorboard"]
     training.get_wandb_writer = lambda: writers["wandb"]
@@ -130,8 +115,6 @@ def main(rank: int, world: int, port: int, out_json: str, extra: list) -> None:
         return run
 
     training.get_forward_backward_func = counting_forward_backward_func
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), CUDA_DEVICE_MAX_CONNECTIONS="1")
     sys.argv = ["pretrain_gpt_fp4.py", *LAUNCHER_ARGV, "--expert-model-parallel-size", str(world),
                 "--global-batch-size", str(GLOBAL_BATCH * world), *extra]
     from megatron_fp4.launch import main as launcher_main
