@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-import megatron_fp4.launch as fp4
+from support import integration_lines
+from support.integration_lines import documented_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
@@ -43,54 +44,6 @@ REFUSAL = ("error: --moe-fp4-dispatch asks for {what}, and the model on this ran
            "docs/integration.md for your Megatron-LM release.")
 
 
-def documented_blocks() -> list:
-    """The code blocks of the docstring (lines indented by four spaces), without their comments."""
-    blocks, block = [], []
-    for line in fp4.__doc__.splitlines():
-        if line.startswith("    ") and line.strip():
-            block.append(line.split("  #")[0].strip())
-        elif block:
-            blocks.append(block)
-            block = []
-    return blocks + ([block] if block else [])
-
-
-def _once(text: str, anchor: str) -> str:
-    assert text.count(anchor) == 1, anchor
-    return anchor
-
-
-def with_parse_line(text: str) -> str:
-    """A stand-in pretrain_gpt.py with the import and our parse_and_validate_args."""
-    imported, parse = documented_blocks()[0][:2]
-    assert parse == "args = fp4.parse_and_validate_args(...)"
-    last_import = _once(text, "from megatron.training.arguments import parse_and_validate_args\n")
-    text = text.replace(last_import, last_import + imported + "\n")
-    return text.replace(_once(text, "    args = parse_and_validate_args("), "    args = fp4.parse_and_validate_args(")
-
-
-def lines_0_19(text: str, spec_line: bool = True) -> str:
-    """0.19's pretrain_gpt.py with the documented lines (the model-config line only if spec_line)."""
-    text = with_parse_line(text)
-    if not spec_line:
-        return text
-    config_line = documented_blocks()[0][2]
-    built = _once(text, "    model_cfg = gpt_config_from_args(args)\n")
-    return text.replace(built, f"{built}    {config_line}\n")
-
-
-def lines_0_18_builders(text: str, mtp_line: bool = True) -> str:
-    """0.18's gpt_builders.py with the import and the spec lines right before GPTModel (the MTP
-    one only if mtp_line)."""
-    imported = documented_blocks()[0][0]
-    decoder_line, mtp = documented_blocks()[1]
-    last_import = _once(text, "from megatron.training.arguments import core_transformer_config_from_args\n")
-    text = text.replace(last_import, last_import + imported + "\n")
-    spec_lines = [decoder_line, *([mtp] if mtp_line else [])]
-    model = _once(text, "    model = GPTModel(\n")
-    return text.replace(model, "".join(f"    {line}\n" for line in spec_lines) + model)
-
-
 def _changes(before: str, after: str) -> list:
     return [line for line in difflib.unified_diff(before.splitlines(), after.splitlines(), lineterm="", n=0)
             if line[:1] in "+-" and not line.startswith(("+++", "---"))]
@@ -98,18 +51,8 @@ def _changes(before: str, after: str) -> list:
 
 def _release_folder(tmp: Path, release: str, **lines) -> Path:
     """A copy of the release's stand-in with the documented lines, in tmp/<release>."""
-    folder = tmp / release
-    folder.mkdir()
-    source = DATA / f"megatron_lm_{release.replace('.', '_')}"
-    for path in source.glob("*.py"):
-        text = path.read_text()
-        if path.name == "pretrain_gpt.py":
-            text = lines_0_19(text, **lines) if release == "0.19" else with_parse_line(text)
-        elif path.name == "gpt_builders.py":
-            text = lines_0_18_builders(text, **lines)
-        (folder / path.name).write_text(text)
     (tmp / "megatron_lm_gpt_data.py").write_text((DATA / "megatron_lm_gpt_data.py").read_text())
-    return folder
+    return integration_lines.apply(release, DATA / f"megatron_lm_{release.replace('.', '_')}", tmp / release, **lines)
 
 
 def test_the_documented_lines_are_all_that_changes(tmp_path):
