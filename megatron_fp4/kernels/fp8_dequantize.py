@@ -10,7 +10,7 @@ import triton.language as tl
 from ..formats import FP8_BLOCK
 from ..tensors import FP8BlockTensor
 from ._bits import e4m3_to_fp32, fp32_to_bf16_bits
-from ._checks import TileConfig, check_kernel_device
+from ._checks import TileConfig, check_contiguous, check_kernel_device, readable_at
 from ._sm90_spec import BuildVariant, KernelSpec
 
 DEFAULT_CONFIG = TileConfig(block_rows=8, block_cols=4, num_warps=4)
@@ -45,15 +45,15 @@ def dequantize_fp8(t: FP8BlockTensor, config: TileConfig = DEFAULT_CONFIG) -> to
     if not isinstance(t, FP8BlockTensor):
         raise TypeError(f"dequantize_fp8: expected an FP8BlockTensor, got {type(t).__name__}")
     check_kernel_device("dequantize_fp8", t.data)
-    if not t.data.is_contiguous() or not t.block_scales.is_contiguous():
-        raise ValueError("dequantize_fp8: data and block_scales must be contiguous")
+    check_contiguous("dequantize_fp8", "data", t.data)
+    check_contiguous("dequantize_fp8", "block_scales", t.block_scales)
     num_rows, cols = t.shape
     groups = cols // FP8_BLOCK
     out = torch.empty(num_rows, cols, dtype=torch.bfloat16, device=t.data.device)
     if num_rows:
         grid = (triton.cdiv(num_rows, config.block_rows), triton.cdiv(groups, config.block_cols))
         _dequantize_fp8_kernel[grid](
-            t.data.view(torch.int16),
+            readable_at(t.data, 2).view(torch.int16),
             t.block_scales,
             out.view(torch.int32),
             num_rows,

@@ -21,7 +21,8 @@ from ..formats import FP8_BLOCK
 from ..tensors import FP8BlockWeight, FP8StackedWeights, padded_scale_columns
 from ._addresses import address_table
 from ._bits import abs_max4, e4m3_word, fp8_block_scale, load_float_quads
-from ._checks import TileConfig, check_float_matrix, check_rows_per_pass, float_kind, launch_config, pair_view
+from ._checks import (TileConfig, check_float_matrix, check_rows_per_pass, float_kind, launch_config, pair_view,
+                      readable_at)
 from ._format_constants import E4M3_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
 from ._transposed_tiles import load_slice, store_column_words
@@ -152,12 +153,15 @@ def quantize_fp8_weights_stacked(weights: Sequence[torch.Tensor], transpose: boo
         if (w.shape, w.dtype, w.device) != (first.shape, first.dtype, first.device) or not w.is_contiguous():
             raise ValueError(f"{name}: every weight must be contiguous and like the first ({tuple(first.shape)} "
                              f"{first.dtype} on {first.device}), got {tuple(w.shape)} {w.dtype} on {w.device}")
+    # The kernel reads each weight from its address as 16-byte vectors (address_table): a view that
+    # starts elsewhere is copied, the copies kept alive until the launch.
+    readable = [readable_at(w, 16) for w in weights]
     out_rows, out_cols = (cols, rows) if transpose else (rows, cols)
     data = torch.empty(len(weights), out_rows, out_cols, dtype=torch.float8_e4m3fn, device=first.device)
     block_scales = torch.ones(len(weights), out_rows // FP8_BLOCK, padded_scale_columns(out_cols),
                               dtype=torch.float32, device=first.device)
     _quantize_fp8_weight_kernel[(rows // FP8_BLOCK, cols // FP8_BLOCK, len(weights))](
-        address_table(name, [pair_view(w) for w in weights]),
+        address_table(name, [pair_view(w) for w in readable]),
         data.view(torch.int32),
         block_scales,
         ROWS=rows,

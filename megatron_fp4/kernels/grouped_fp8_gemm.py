@@ -36,7 +36,7 @@ from ..tensors import COLWISE, ROWWISE, FP8BlockTensor, FP8StackedWeights, MXFP4
 from ._addresses import address_table
 from ._e4m3_table import e4m3_magnitude_table
 from ._bits import store_rounded
-from ._checks import check_kernel_device
+from ._checks import check_contiguous, check_kernel_device, check_segment_offsets
 from ._sm90_spec import EXPERTS_POW2, BuildVariant, KernelSpec
 from ._tile_order import swizzled, tile_of_expert
 from . import grouped_fp8_gemm_ws, grouped_gemm_sm90
@@ -331,21 +331,25 @@ def _check_tiles(name: str, tiles: GemmTiles, n: int, k: int) -> None:
 
 
 def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row_offsets: torch.Tensor,
-                           out_dtype=torch.bfloat16, tiles: Optional[GemmTiles] = None) -> torch.Tensor:
+                           out_dtype=torch.bfloat16, tiles: Optional[GemmTiles] = None,
+                           check_offsets: bool = True) -> torch.Tensor:
     """[M, N]: rows [row_offsets[e], row_offsets[e + 1]) of `rows` (1x128, [M, K]) times weights[e]^T
-    (128x128, [N, K]) for every expert e. row_offsets: int64 [E + 1] on the rows' device, from 0 to M.
-    tiles: default_tiles(device, DEFAULT_ROWS_TILES, (N, K)) when None."""
+    (128x128, [N, K]) for every expert e. row_offsets: int64 [E + 1] on the rows' device, from 0 to M,
+    never decreasing. tiles: default_tiles(device, DEFAULT_ROWS_TILES, (N, K)) when None. check_offsets:
+    assert row_offsets' values on the device (_checks.check_segment_offsets: no host sync, a few small launches);
+    a caller whose offsets are right by construction may skip it."""
     name = "grouped_gemm_by_weight"
     if not isinstance(rows, FP8BlockTensor) or rows.layout != ROWWISE:
         raise TypeError(f"{name}: expected a rowwise FP8BlockTensor")
     if not isinstance(weights, FP8StackedWeights):
         raise TypeError(f"{name}: expected FP8StackedWeights, got {type(weights).__name__}")
     check_kernel_device(name, rows.data)
+    check_contiguous(name, "rows.block_scales", rows.block_scales)
     num_rows, k = rows.shape
     num_experts, n, weight_k = weights.data.shape
     if weight_k != k:
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
-    _check_offsets(name, row_offsets, num_experts, rows.data.device)
+    _check_row_offsets(name, row_offsets, num_experts, rows.data.device, num_rows, check_offsets)
     if tiles is None:
         tiles = default_tiles(rows.data.device, DEFAULT_ROWS_TILES, (n, k))
     _check_tiles(name, tiles, n, k)
@@ -389,13 +393,14 @@ def grouped_gemm_by_weight(rows: FP8BlockTensor, weights: FP8StackedWeights, row
 
 
 def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeights, row_offsets: torch.Tensor,
-                                      out_dtype=torch.bfloat16, tiles: Optional[GemmTiles] = None) -> torch.Tensor:
+                                      out_dtype=torch.bfloat16, tiles: Optional[GemmTiles] = None,
+                                      check_offsets: bool = True) -> torch.Tensor:
     """grouped_gemm_by_weight(mxfp4_to_fp8_rows(rows), weights, row_offsets, ...), bit for bit, with the
     conversion inside the CUDA kernel: no FP8 copy of the rows in global memory. SM90 GPUs only (the
     Triton kernels have no such path: elsewhere convert with mxfp4_to_fp8_rows first). rows: the wire
     rows, K a multiple of 512 and 16-byte aligned with a row stride of whole 16 bytes (the kernel copies
     codes and scale bytes by TMA, whose rows are whole 16 bytes). tiles: CUDA tiles, default_tiles(device,
-    DEFAULT_ROWS_TILES, (N, K)) when None."""
+    DEFAULT_ROWS_TILES, (N, K)) when None. row_offsets and check_offsets: as grouped_gemm_by_weight's."""
     name = "grouped_gemm_by_weight_from_mxfp4"
     if not isinstance(rows, MXFP4Tensor):
         raise TypeError(f"{name}: expected an MXFP4Tensor, got {type(rows).__name__}")
@@ -407,7 +412,7 @@ def grouped_gemm_by_weight_from_mxfp4(rows: MXFP4Tensor, weights: FP8StackedWeig
         raise ValueError(f"{name}: the rows have K = {k}, the weights {weight_k}")
     if weights.data.device != rows.device:
         raise ValueError(f"{name}: the rows are on {rows.device}, the weights on {weights.data.device}")
-    _check_offsets(name, row_offsets, num_experts, rows.device)
+    _check_row_offsets(name, row_offsets, num_experts, rows.device, num_rows, check_offsets)
     if tiles is None:
         tiles = default_tiles(rows.device, DEFAULT_ROWS_TILES, (n, k))
     if not tiles.cuda_sm90:
@@ -453,11 +458,14 @@ _E4M3_TABLES = {}
 
 def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dtype=torch.bfloat16,
                   accumulate_into: Optional[Sequence[torch.Tensor]] = None,
-                  tiles: Optional[GemmTiles] = None) -> Optional[torch.Tensor]:
+                  tiles: Optional[GemmTiles] = None, check_offsets: bool = True) -> Optional[torch.Tensor]:
     """[E, N, K]: for every expert, its columns of grad_cols ([N, capacity], dY^T) times the same
     columns of input_cols ([K, capacity], X^T) transposed; both colwise with the same segments.
     With accumulate_into (one contiguous fp32 [N, K] per expert) the fp32 sums are added there
-    instead, and nothing is returned. tiles: default_tiles(device, DEFAULT_WGRAD_TILES) when None."""
+    instead, and nothing is returned. tiles: default_tiles(device, DEFAULT_WGRAD_TILES) when None.
+    check_offsets: assert on the device (no host sync) that the operands' segment offsets are equal,
+    multiples of 128, from 0, never decreasing and within the capacity (_checks.check_segment_offsets); the
+    column kernels write them so, and a caller passing their outputs may skip it."""
     name = "grouped_wgrad"
     if tiles is not None and tiles.warp_specialized:
         raise ValueError(f"{name}: the warp-specialized kernel computes forward and data gradients only, got {tiles}")
@@ -465,19 +473,24 @@ def grouped_wgrad(grad_cols: FP8BlockTensor, input_cols: FP8BlockTensor, out_dty
         if not isinstance(operand, FP8BlockTensor) or operand.layout != COLWISE:
             raise TypeError(f"{name}: expected colwise FP8BlockTensors")
     check_kernel_device(name, grad_cols.data)
+    check_contiguous(name, "grad_cols.block_scales", grad_cols.block_scales)
+    check_contiguous(name, "input_cols.block_scales", input_cols.block_scales)
     if tiles is None:
         tiles = default_tiles(grad_cols.data.device, DEFAULT_WGRAD_TILES)
     n, capacity = grad_cols.shape
     k, input_capacity = input_cols.shape
-    # Both come from the same segments (the experts' counts); comparing their offsets here would
-    # wait for the GPU.
     if input_capacity != capacity:
         raise ValueError(f"{name}: the operands' token columns differ ({capacity} and {input_capacity})")
+    # Both come from the same segments (the experts' counts): compared on the device, as the rest.
+    offsets = grad_cols.segment_offsets
+    entries = offsets.numel() if isinstance(offsets, torch.Tensor) else 0
+    check_segment_offsets(name, "grad_cols.segment_offsets", offsets, entries, grad_cols.data.device, capacity,
+                          exact_end=False, multiple_of=FP8_BLOCK,
+                          same_as=("input_cols.segment_offsets", input_cols.segment_offsets), on_device=check_offsets)
     if n % tiles.block_m or k % tiles.block_n:
         raise ValueError(f"{name}: N {n} must be a multiple of block_m {tiles.block_m} and K {k} of block_n "
                          f"{tiles.block_n}")
-    offsets = grad_cols.segment_offsets
-    num_experts = offsets.numel() - 1
+    num_experts = entries - 1
     if tiles.cuda_sm90:
         _check_tiles(name, tiles, n, k)
         _check_cuda_launch(name, tiles, grouped_gemm_sm90.WGRAD, num_experts,
@@ -563,10 +576,10 @@ def _check_accumulators(name: str, buffers: Sequence[torch.Tensor], num_experts:
                              f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
 
 
-def _check_offsets(name: str, offsets: torch.Tensor, num_experts: int, device) -> None:
-    if offsets.dtype != torch.int64 or tuple(offsets.shape) != (num_experts + 1,) or offsets.device != device:
-        raise ValueError(f"{name}: row_offsets must be int64 [{num_experts + 1}] on {device}, got "
-                         f"{offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+def _check_row_offsets(name: str, offsets, num_experts: int, device, num_rows: int, on_device: bool) -> None:
+    """row_offsets of the forward / data-gradient GEMMs: int64 [E + 1], from 0 to M, never decreasing
+    (rows past a wrong end would be left unwritten, or written out of bounds)."""
+    check_segment_offsets(name, "row_offsets", offsets, num_experts + 1, device, num_rows, on_device=on_device)
 
 
 def sm90_specs(variant: BuildVariant, rows_tiles: GemmTiles = DEFAULT_ROWS_TILES,

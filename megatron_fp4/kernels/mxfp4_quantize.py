@@ -17,7 +17,7 @@ import triton.language as tl
 from ..formats import MXFP4_BLOCK, check_scale_rule
 from ..tensors import MXFP4Tensor
 from ._bits import unpack_float_pair
-from ._checks import TileConfig, check_float_matrix, float_kind, launch_config, pair_view
+from ._checks import TileConfig, check_float_matrix, float_kind, launch_config, pairs_ready
 from ._format_constants import E8M0_MAX_FINITE, E8M0_NAN
 from ._sm90_spec import BuildVariant, KernelSpec
 
@@ -124,7 +124,7 @@ def quantize_mxfp4(
     blocks_per_row = hidden // MXFP4_BLOCK
     grid = (triton.cdiv(num_rows, config.block_rows), triton.cdiv(blocks_per_row, config.block_cols))
     _quantize_mxfp4_kernel[grid](
-        pair_view(x),
+        pairs_ready(x),
         out.rows,
         num_rows,
         hidden // 2,

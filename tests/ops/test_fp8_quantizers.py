@@ -87,6 +87,18 @@ def test_quantize_fp8_rows_input_not_8_byte_aligned(device, dtype):
     assert_same_fp8(mf.quantize_fp8_rows(x), ref.quantize_fp8_rows(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_and_cols_quantizers_take_an_input_at_an_odd_storage_offset(device, dtype):
+    """One element into its buffer (fp32: not on an int64 pair either): copied first, the
+    reference's bits, in both the row and the column quantizer."""
+    counts = torch.randint(0, 40, (3,)).tolist()
+    buffer = hard_input(sum(counts) + 11, 256, dtype, seed=int(torch.randint(1000, (1,))), device=device).reshape(-1)
+    x = buffer[1:1 + sum(counts) * 256].view(sum(counts), 256)
+    assert x.storage_offset() == 1
+    assert_same_fp8(mf.quantize_fp8_rows(x), ref.quantize_fp8_rows(x))
+    assert_same_fp8(mf.quantize_fp8_cols(x, torch.tensor(counts, device=device)), ref.quantize_fp8_cols(x, counts))
+
+
 @pytest.mark.parametrize("config", _with_interpreters(fp8_quantize_cols), ids=str)
 def test_quantize_fp8_cols_every_config(device, config):
     counts = [5, 0, 131, 1, 0, 64]  # empty experts, segments of 1 and of 128 + 3 tokens

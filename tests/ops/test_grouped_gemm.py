@@ -202,7 +202,9 @@ def test_refusals(device):
     grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=11)
     with pytest.raises(TypeError, match="colwise"):
         K.grouped_wgrad(rows, x_cols)
-    sliced = FP8BlockTensor(x_cols.data[:, :128], x_cols.block_scales[:1], x_cols.layout, x_cols.segment_offsets)
+    # The first 128 token columns (offsets that fit them), not contiguous.
+    sliced = FP8BlockTensor(x_cols.data[:, :128], x_cols.block_scales[:1], x_cols.layout,
+                            torch.tensor([0, 128, 128], device=device))
     for tma in (False, True):  # both read a matrix whose row stride is its width
         tiles = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2, tma=tma)
         with pytest.raises(ValueError, match="must be contiguous"):
@@ -405,3 +407,134 @@ def test_cuda_rows_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype
         ours = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=tiles)
         assert torch.equal(ours.view(bits), expected.view(bits)), str(tiles)
     assert torch.isnan(expected[5]).all() and not torch.isnan(expected[7:]).any()
+
+
+# --- offsets and block scales as the kernels read them ------------------------------------------
+
+
+def _bad_row_offsets(m: int):
+    """Offsets of three experts over m rows, each breaking one rule: rows left unwritten, rows written
+    past the output, reads before the first row, a segment of negative length."""
+    return {"ends_short": [0, 10, 20, m - 7], "ends_past_the_rows": [0, 10, 20, m + 100],
+            "starts_past_0": [5, 10, 20, m], "starts_before_0": [-64, 10, 20, m], "decreases": [0, 30, 20, m]}
+
+
+BAD_ROW_OFFSETS = list(_bad_row_offsets(0))
+ON_THE_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a device-side assert ends the CUDA context: "
+                                "test_bad_row_offsets_stop_the_gpu runs it in a process of its own")
+
+
+@ON_THE_CPU
+@pytest.mark.parametrize("case", BAD_ROW_OFFSETS)
+@pytest.mark.parametrize("kernel", ["triton", "cuda_sm90", "cuda_sm90_from_mxfp4"])
+def test_grouped_gemm_refuses_bad_row_offsets(device, case, kernel):
+    """row_offsets are asserted on the device before any kernel reads them (under the interpreter the
+    assert raises at once), for the CUDA kernels' wrappers too, before they ask for a GPU."""
+    m = int(torch.randint(40, 100, (1,)))
+    offsets = torch.tensor(_bad_row_offsets(m)[case], device=device)
+    weights = _weights(3, 128, 512, device, seed=30)
+    with pytest.raises(RuntimeError, match="row_offsets must start at 0, never decrease and end at"):
+        if kernel == "cuda_sm90_from_mxfp4":
+            q = K.quantize_mxfp4(torch.randn(m, 512).bfloat16().to(device))
+            K.grouped_gemm_by_weight_from_mxfp4(q, weights, offsets, tiles=CUDA_ROWS_TILES)
+        else:
+            tiles = SMALL_TILES if kernel == "triton" else CUDA_ROWS_TILES
+            K.grouped_gemm_by_weight(_rows_operand(m, 512, device, seed=31), weights, offsets, tiles=tiles)
+
+
+def test_grouped_gemm_refuses_row_offsets_of_the_wrong_kind(device):
+    rows, weights = _rows_operand(8, 256, device, seed=32), _weights(2, 128, 256, device, seed=33)
+    with pytest.raises(TypeError, match="row_offsets must be a tensor"):
+        K.grouped_gemm_by_weight(rows, weights, [0, 4, 8])
+    for wrong in (_offsets([4, 4], device).int(), _offsets([4, 2, 2], device),
+                  torch.tensor([0, 4, 8], device="meta")):
+        with pytest.raises(ValueError, match=f"row_offsets must be int64 \\[3\\] on {device}"):
+            K.grouped_gemm_by_weight(rows, weights, wrong)
+
+
+def test_grouped_gemm_takes_good_row_offsets_with_and_without_the_check(device):
+    """Fresh ragged counts, empty experts first and last: the checked call passes and gives the bits of
+    the unchecked one."""
+    counts = [0, *torch.randint(0, 60, (2,)).tolist(), 0]
+    rows, weights = _rows_operand(sum(counts), 256, device, seed=34), _weights(4, 128, 256, device, seed=35)
+    offsets = _offsets(counts, device)
+    checked = K.grouped_gemm_by_weight(rows, weights, offsets, torch.float32)
+    assert torch.equal(checked, K.grouped_gemm_by_weight(rows, weights, offsets, torch.float32, check_offsets=False))
+    exact, magnitude = _oracle_rows(rows, weights, counts)
+    _assert_within(checked, exact, magnitude, _eps(device, 256), 2.0**-24)
+
+
+@pytest.mark.gpu
+def test_bad_row_offsets_stop_the_gpu(tmp_path):
+    """On the GPU the assert is a device-side one: the process's next synchronization fails, and the
+    GEMM queued after it never reads the offsets (run in a process of its own: the CUDA context is lost)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "bad_offsets.py"
+    script.write_text(
+        "import torch\nfrom megatron_fp4 import kernels as K\n"
+        "rows = K.quantize_fp8_rows(torch.randn(97, 256, device='cuda').bfloat16())\n"
+        "weights = K.quantize_fp8_weights_stacked(list(torch.randn(2, 128, 256, device='cuda').bfloat16()))\n"
+        "K.grouped_gemm_by_weight(rows, weights, torch.tensor([0, 40, 200], device='cuda'))\n"
+        "torch.cuda.synchronize()\nprint('not stopped')\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "not stopped" not in result.stdout, result.stdout + result.stderr[-2000:]
+    assert "device-side assert" in result.stderr, result.stderr[-2000:]
+
+
+def _with_offsets(t: FP8BlockTensor, offsets) -> FP8BlockTensor:
+    return FP8BlockTensor(t.data, t.block_scales, COLWISE, torch.tensor(offsets, device=t.data.device))
+
+
+@ON_THE_CPU
+@pytest.mark.parametrize("case", ["not_whole_blocks", "past_the_capacity", "decreasing", "starts_past_0",
+                                  "differ_between_operands"])
+@pytest.mark.parametrize("tiles", [DEFAULT_WGRAD_TILES, CUDA_TILES], ids=["triton", "cuda_sm90"])
+def test_grouped_wgrad_refuses_bad_segment_offsets(device, case, tiles):
+    counts = torch.randint(1, 128, (2,)).tolist()  # segments [0, 128, 256]
+    grad_cols, x_cols = _cols_operands(counts, 128, 128, device, seed=36)
+    capacity = grad_cols.shape[1]
+    bad = {"not_whole_blocks": [0, 100, 256], "past_the_capacity": [0, 128, capacity + 128],
+           "decreasing": [0, 256, 128], "starts_past_0": [128, 128, 256], "differ_between_operands": [0, 0, 256]}[case]
+    grad_cols = _with_offsets(grad_cols, bad)
+    if case != "differ_between_operands":
+        x_cols = _with_offsets(x_cols, bad)
+    with pytest.raises(RuntimeError, match="grad_cols.segment_offsets must be multiples of 128, start at 0"):
+        K.grouped_wgrad(grad_cols, x_cols, tiles=tiles)
+
+
+def test_grouped_wgrad_refuses_segment_offsets_of_the_wrong_kind(device):
+    grad_cols, x_cols = _cols_operands([4, 4], 128, 128, device, seed=37)
+    with pytest.raises(ValueError, match=f"input_cols.segment_offsets must be int64 \\[3\\] on {device}"):
+        K.grouped_wgrad(grad_cols, _with_offsets(x_cols, [0, 128]))
+    with pytest.raises(ValueError, match=f"grad_cols.segment_offsets must be int64 \\[3\\] on {device}"):
+        K.grouped_wgrad(FP8BlockTensor(grad_cols.data, grad_cols.block_scales, COLWISE,
+                                       grad_cols.segment_offsets.int()), x_cols)
+
+
+def _strided(scales: torch.Tensor) -> torch.Tensor:
+    """The same values with the strides of their transpose (as scaled_mm's scales are laid out)."""
+    strided = scales.t().contiguous().t()
+    assert torch.equal(strided, scales) and not strided.is_contiguous()
+    return strided
+
+
+@pytest.mark.parametrize("kernel", ["triton", "cuda_sm90"])
+def test_grouped_gemms_refuse_strided_block_scales(device, kernel):
+    """The kernels read block scales as contiguous [K / 128, M] (or [capacity / 128, N]): other strides
+    are refused in one sentence naming the operand, where they used to give wrong products."""
+    counts = torch.randint(1, 60, (2,)).tolist()
+    rows, weights = _rows_operand(sum(counts), 256, device, seed=38), _weights(2, 128, 256, device, seed=39)
+    tiles = SMALL_TILES if kernel == "triton" else CUDA_ROWS_TILES
+    with pytest.raises(ValueError, match="rows.block_scales must be contiguous \\(row-major\\), got shape"):
+        K.grouped_gemm_by_weight(FP8BlockTensor(rows.data, _strided(rows.block_scales)), weights,
+                                 _offsets(counts, device), tiles=tiles)
+    grad_cols, x_cols = _cols_operands(counts, 128, 256, device, seed=40)
+    tiles = DEFAULT_WGRAD_TILES if kernel == "triton" else CUDA_TILES
+    for name, operands in (("grad_cols", (grad_cols, x_cols)), ("input_cols", (x_cols, grad_cols))):
+        strided = FP8BlockTensor(operands[0].data, _strided(operands[0].block_scales), COLWISE,
+                                 operands[0].segment_offsets)
+        pair = (strided, operands[1]) if name == "grad_cols" else (operands[1], strided)
+        with pytest.raises(ValueError, match=f"{name}.block_scales must be contiguous"):
+            K.grouped_wgrad(*pair, tiles=tiles)

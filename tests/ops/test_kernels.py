@@ -11,7 +11,7 @@ from megatron_fp4 import reference as ref
 from megatron_fp4.formats import mxfp4_wire_bytes_per_row
 from megatron_fp4.kernels import mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8
 from megatron_fp4.kernels.mxfp4_to_fp8 import DEFAULT_ROWS_CONFIG
-from megatron_fp4.tensors import MXFP4Tensor
+from megatron_fp4.tensors import FP8BlockTensor, MXFP4Tensor
 
 from support.inputs import (assert_same_bits, assert_same_fp8, assert_same_mxfp4, column_hard_cases,
                             every_code_at_every_gap, hard_input, random_input)
@@ -169,6 +169,34 @@ def test_dequantize_fp8_rows_and_cols(device):
     assert_same_bits(mf.dequantize_fp8(rows), ref.dequantize_fp8(rows))
     cols = ref.mxfp4_to_fp8_cols(ref.quantize_mxfp4(x), [10, 0, 20])
     assert_same_bits(mf.dequantize_fp8(cols), ref.dequantize_fp8(cols))
+
+
+def _at_storage_offset(x: torch.Tensor, elements: int) -> torch.Tensor:
+    """The values of x in a view that starts `elements` into its buffer."""
+    flat = x.reshape(-1)
+    return torch.cat([flat[:elements], flat])[elements:].view(x.shape)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_quantize_mxfp4_input_at_an_odd_storage_offset(device, dtype):
+    """A view one element into its buffer cannot be read as pairs of elements: it is copied first,
+    and quantizes as the reference does."""
+    rows, blocks = int(torch.randint(1, 40, (1,))), int(torch.randint(1, 12, (1,)))
+    x = _at_storage_offset(random_input(rows, blocks * 32, dtype, seed=int(torch.randint(1000, (1,))),
+                                        device=device), 1)
+    assert x.storage_offset() == 1
+    assert_same_mxfp4(mf.quantize_mxfp4(x), ref.quantize_mxfp4(x))
+
+
+def test_dequantize_fp8_at_an_odd_storage_offset_and_strided_scales(device):
+    x = random_input(int(torch.randint(1, 40, (1,))), 256, torch.bfloat16, seed=15, device=device)
+    t = ref.quantize_fp8_rows(x)
+    odd = FP8BlockTensor(_at_storage_offset(t.data.view(torch.uint8), 1).view(torch.float8_e4m3fn), t.block_scales)
+    assert odd.data.storage_offset() == 1
+    assert_same_bits(mf.dequantize_fp8(odd), ref.dequantize_fp8(t))
+    strided = FP8BlockTensor(t.data, t.block_scales.t().contiguous().t())
+    with pytest.raises(ValueError, match="dequantize_fp8: block_scales must be contiguous"):
+        mf.dequantize_fp8(strided)
 
 
 # --- refusals -------------------------------------------------------------------------------

@@ -68,6 +68,22 @@ def test_quantize_fp8_weights_in_one_launch(device, dtype, transpose):
         assert_same_weight(quantized, ref.quantize_fp8_weight(w, transpose=transpose))
 
 
+@pytest.mark.parametrize("dtype,elements", [(torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float32, 1),
+                                            (torch.float32, 2)], ids=["bf16+1", "bf16+2", "fp32+1", "fp32+2"])
+def test_quantize_fp8_weights_at_a_storage_offset(device, dtype, elements):
+    """Weights that start inside their buffer (an odd element, or 4 / 8 bytes: not the 16 the kernel's
+    vector loads need) are copied first and quantize as the reference does, alone and stacked with an
+    aligned one."""
+    seed = int(torch.randint(1000, (1,)))
+    aligned = random_input(128, 256, dtype, seed=seed, device=device) * 0.02
+    buffer = random_input(129, 256, dtype, seed=seed + 1, device=device).reshape(-1)
+    inside = buffer[elements:elements + 128 * 256].view(128, 256)
+    assert inside.storage_offset() == elements
+    assert_same_weight(mf.quantize_fp8_weight(inside, transpose=True), ref.quantize_fp8_weight(inside, transpose=True))
+    for w, quantized in zip((aligned, inside), mf.quantize_fp8_weights([aligned, inside])):
+        assert_same_weight(quantized, ref.quantize_fp8_weight(w))
+
+
 def test_quantize_fp8_weights_refuses_mixed_weights(device):
     w = torch.zeros(128, 256, device=device)
     with pytest.raises(ValueError, match="no weights"):
