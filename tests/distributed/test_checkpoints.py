@@ -1,8 +1,12 @@
 """Checkpoints at model level: FP4 dispatch + FP8 experts and stock Megatron load each other's
 distributed checkpoints and continue with the same loss, a resumed FP4 run continues bit for bit,
-and the distributed optimizer's parameter-ordered format is refused with its fix. One pytest item
-per scenario (tests/support/checkpoint_scenarios.py), on two gloo ranks with torch.cuda emulated;
-the resume and the FP4 -> stock load share one FP4 saver run (one process pair, `plugin_saver`)."""
+and the distributed optimizer's parameter-ordered format is refused with its fix. Through Megatron's
+training-loop save_checkpoint / load_checkpoint, as users move between runs: a stock checkpoint in
+that format gives FP8 experts its weights (--finetune, --no-load-optim) and its optimizer state is
+refused in one sentence, a dispatch-only run resumes with FP8 experts, and EP 2 <-> EP 1. One pytest
+item per scenario (tests/support/checkpoint_scenarios.py), on two gloo ranks with torch.cuda
+emulated; items share process pairs: the resume and the FP4 -> stock load one FP4 saver run
+(`plugin_saver`), the format refusal and the moves between runs another (`formats_and_moves`)."""
 
 import json
 
@@ -43,5 +47,40 @@ def test_resumed_plugin_run_is_bit_identical(plugin_saver_problems):
     _assert_none(plugin_saver_problems, "resume")
 
 
-def test_bucket_space_optimizer_format_refused_fix_accepted():
-    run_on_two_ranks(SCENARIOS, "bucket_format", emulated=True, timeout_s=TIMEOUT_S)
+@pytest.fixture(scope="module")
+def formats_and_moves_problems(tmp_path_factory):
+    """Per rank, the problems found by case of one process pair that runs the bucket-format
+    scenario and the moves between runs through Megatron's save_checkpoint / load_checkpoint."""
+    results = tmp_path_factory.mktemp("formats_and_moves")
+    run_on_two_ranks(SCENARIOS, "formats_and_moves", str(results), emulated=True, timeout_s=TIMEOUT_S)
+    return [json.loads((results / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_bucket_space_optimizer_format_refused_fix_accepted(formats_and_moves_problems):
+    _assert_none(formats_and_moves_problems, "bucket_format")
+
+
+def test_stock_checkpoint_in_default_format_gives_fp8_experts_its_weights(formats_and_moves_problems):
+    """--finetune and --no-load-optim: weights bit for bit, fp32 main weights made from them."""
+    _assert_none(formats_and_moves_problems, "weights_only")
+
+
+def test_default_format_optimizer_state_refused_in_one_sentence(formats_and_moves_problems):
+    _assert_none(formats_and_moves_problems, "optimizer_refused")
+
+
+def test_stock_resave_fully_reshardable_carries_optimizer_state_to_fp8_experts(formats_and_moves_problems):
+    """The refusal's advice works: every weight, main weight and Adam state bit for bit."""
+    _assert_none(formats_and_moves_problems, "resave_carries_optimizer")
+
+
+def test_dispatch_only_checkpoint_resumes_with_fp8_experts(formats_and_moves_problems):
+    _assert_none(formats_and_moves_problems, "dispatch_then_fp8_experts")
+
+
+def test_fp8_experts_checkpoint_saved_at_ep2_loads_at_ep1(formats_and_moves_problems):
+    _assert_none(formats_and_moves_problems, "ep2_to_ep1")
+
+
+def test_fp8_experts_checkpoint_saved_at_ep1_loads_at_ep2(formats_and_moves_problems):
+    _assert_none(formats_and_moves_problems, "ep1_to_ep2")

@@ -3,7 +3,9 @@ two gloo ranks on the CPU with torch.cuda emulated (tests/support/cuda_on_cpu.py
 0-1 on rank 0, 2-3 on rank 1; the dense part data-parallel over both ranks). A tiny GPTModel (2 MoE
 layers, hidden 128, 4 experts top-2, alltoall, SwiGLU, no bias, local spec), Megatron's DDP and
 distributed Adam (bf16 weights, fp32 main weights), saved and loaded with
-megatron.core.dist_checkpointing the way Megatron's training loop does it.
+megatron.core.dist_checkpointing the way Megatron's training loop does it; the moves between runs
+(stock_checkpoint, flag_and_layout_changes) call the training loop's own save_checkpoint /
+load_checkpoint with Megatron's parsed arguments (megatron_checkpointing.py), at EP 1 too.
 
 "Plugin" is the whole FP4 recipe (FP4 dispatch, FP8 experts, FP8 linear layers, every saved input
 in MXFP4); "stock" the same spec without it (SequentialMLP, Megatron's local linears and alltoall
@@ -21,9 +23,17 @@ VOCAB, SEQ, BATCH = 512, 32, 2
 SAVE_AT, LAST = 2, 4  # optimizer steps before the save, and in all
 # Loss differences plugin <-> stock after the load, from the measurement in cross_load.
 FIRST_STEP_BOUND, LATER_STEP_BOUND = 1.8e-3, 1.8e-3
+# The first loss after FP8 experts resume a dispatch-only run, against that run's (same weights,
+# other experts' rounding): 1.7e-5 measured (flag_and_layout_changes).
+FP8_EXPERTS_FIRST_STEP_BOUND = 2e-4
 
-def build_model(plugin: bool, seed: int):
-    """The tiny GPTModel; `plugin`: the whole FP4 recipe. The one place that knows the plugin's API."""
+# FP4 flag sets by name (besides the whole recipe, plugin=True): what a user may resume with.
+FLAG_SETS = {"dispatch": dict(dispatch=True), "dispatch, fp8 experts": dict(dispatch=True, experts="fp8")}
+
+
+def build_model(plugin, seed: int, ep: int = 2):
+    """The tiny GPTModel at expert-parallel size `ep`; `plugin`: True for the whole FP4 recipe, False
+    for none, or a name in FLAG_SETS. The one place that knows the plugin's API."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -37,11 +47,13 @@ def build_model(plugin: bool, seed: int):
         moe_router_topk=2, moe_ffn_hidden_size=128, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        expert_model_parallel_size=2, expert_tensor_parallel_size=1, transformer_impl="local",
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1, transformer_impl="local",
     )
     spec = get_gpt_layer_local_spec(num_experts=4)
     if plugin:
-        spec = use_fp4(spec, FP4Options(dispatch=True, experts="fp8", linears="fp8", storage="all"))
+        flags = FLAG_SETS[plugin] if isinstance(plugin, str) else dict(dispatch=True, experts="fp8", linears="fp8",
+                                                                        storage="all")
+        spec = use_fp4(spec, FP4Options(**flags))
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
@@ -50,12 +62,12 @@ def build_model(plugin: bool, seed: int):
 class Run:
     """A model in Megatron's DDP with Megatron's distributed Adam, trained on fixed batches."""
 
-    def __init__(self, plugin: bool, seed: int, overlap_param_gather: bool = False):
+    def __init__(self, plugin, seed: int, overlap_param_gather: bool = False, ep: int = 2):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
-        self.gpt = gpt = build_model(plugin, seed)
+        self.gpt = gpt = build_model(plugin, seed, ep)
         self.model = DistributedDataParallel(
             gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
                                                       overlap_param_gather=overlap_param_gather),
@@ -289,7 +301,184 @@ def bucket_format(directory: str) -> None:
     assert not differing, f"fully reshardable: state differs after load: {differing[:6]} of {len(differing)}"
 
 
-SCENARIOS = {"cross_load": cross_load, "plugin_saver": plugin_saver, "bucket_format": bucket_format}
+# --- through Megatron's training loop: save_checkpoint / load_checkpoint (megatron_checkpointing) --
+
+FULLY_RESHARDABLE = "--dist-ckpt-optim-fully-reshardable"  # what the launch asks of FP8 experts
+# FP8 experts loading the optimizer state of a checkpoint in Megatron's default format, and a run
+# whose own saves would use that format.
+LOAD_REFUSAL = (
+    "--moe-fp4-experts fp8 cannot load the distributed optimizer's state from a 'dp_reshardable' checkpoint "
+    "(stored in parameter order, which differs from Megatron's grouped experts): add --no-load-optim or "
+    "--finetune to load its weights only, or resume it once without --moe-fp4-experts fp8 and with "
+    "--dist-ckpt-optim-fully-reshardable and load the checkpoint that run saves.")
+SAVE_REFUSAL = (
+    "--moe-fp4-experts fp8 cannot save or load the distributed optimizer's 'dp_reshardable' checkpoint "
+    "format (optimizer state stored in parameter order, which differs from Megatron's grouped experts); "
+    "add --dist-ckpt-optim-fully-reshardable.")
+
+
+def _load(run, flags: list):
+    """Megatron's load_checkpoint into `run` under `flags`: the iteration it resumes from, or the
+    sentence a refusal raised (on both ranks alike)."""
+    from support import megatron_checkpointing
+
+    megatron_checkpointing.use_arguments(flags)
+    try:
+        return megatron_checkpointing.load(run)
+    except ValueError as refusal:  # UnsupportedConfiguration is one
+        return str(refusal)
+
+
+def _save(run, iteration: int, flags: list) -> dict:
+    """Megatron's save_checkpoint of `run` under `flags` (with --save); what it saved, layout-free."""
+    from support import megatron_checkpointing
+
+    megatron_checkpointing.use_arguments(flags)
+    megatron_checkpointing.save(run, iteration)
+    return megatron_checkpointing.layout_free_state(run)
+
+
+def _loaded(run, flags: list, saved: dict, iteration: int, weights_only: bool = False) -> list:
+    """Load into `run` (a fresh init, so nothing matches by chance) and compare with `saved` bit
+    for bit: everything, or with `weights_only` the weights and the fp32 main weights, which must
+    then be made from them. The problems."""
+    from support.megatron_checkpointing import differing, layout_free_state
+
+    expected = saved
+    if weights_only:
+        weights = {k: v for k, v in saved.items() if k[1] == "weight"}
+        expected = {**weights, **{(name, "param"): weight.float() for (name, _), weight in weights.items()}}
+    before = layout_free_state(run)
+    unchanged = [k for k in expected if "experts" in k[0] and k[1] == "weight"
+                 and not differing({k: expected[k]}, {k: before[k]})]
+    got = _load(run, flags)
+    if got != iteration:
+        return [f"{flags}: got {got!r}, not iteration {iteration}"]
+    state = layout_free_state(run)
+    lost = differing(expected, {k: state[k] for k in expected if k in state})
+    return ([f"{flags}: {len(lost)} of {len(expected)} tensors differ from the saved ones: {lost[:4]}"] if lost
+            else []) + ([f"the loader's init already held the saved {unchanged[:2]}"] if unchanged else [])
+
+
+def stock_checkpoint(directory: str) -> dict:
+    """Finding 10: a stock BF16 run saved in Megatron's default optimizer format. FP8 experts (the
+    whole recipe) take its weights with --finetune or --no-load-optim, refuse its optimizer state in
+    one sentence, and take the state too once a stock resume has re-saved it fully reshardable
+    (the refusal's advice)."""
+    stock = Run(plugin=False, seed=1)
+    stock.step(0)
+    default = os.path.join(directory, "default")
+    saved = _save(stock, 1, ["--save", default])
+    problems = {"weights_only": [], "optimizer_refused": [], "resave_carries_optimizer": []}
+    for seed, (flag, iteration) in enumerate((("--finetune", 0), ("--no-load-optim", 1)), start=2):
+        problems["weights_only"] += _loaded(Run(plugin=True, seed=seed), [
+            "--load", default, flag, FULLY_RESHARDABLE, "--save", directory], saved, iteration, weights_only=True)
+    for flags, sentence in ((["--load", default, FULLY_RESHARDABLE], LOAD_REFUSAL),
+                            (["--load", default, "--finetune", "--save", directory], SAVE_REFUSAL)):
+        got = _load(Run(plugin=True, seed=4), flags)
+        if got != sentence:
+            problems["optimizer_refused"].append(f"{flags}: {got!r}")
+    # The advice: resume once without FP8 experts, saving fully reshardable; then everything loads.
+    resaved = os.path.join(directory, "resaved")
+    restock = Run(plugin=False, seed=5)
+    got = _load(restock, ["--load", default, FULLY_RESHARDABLE])
+    _save(restock, 1, ["--save", resaved, FULLY_RESHARDABLE])
+    problems["resave_carries_optimizer"] += [f"the stock resume got {got!r}"] if got != 1 else []
+    problems["resave_carries_optimizer"] += _loaded(Run(plugin=True, seed=6), ["--load", resaved, FULLY_RESHARDABLE],
+                                                    saved, 1)
+    return problems
+
+
+def _expert_parallel(size: int) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=size, expert_tensor_parallel_size=1)
+
+
+def _megatron_error(run, flags: list) -> str:
+    from support import megatron_checkpointing
+
+    megatron_checkpointing.use_arguments(flags)
+    try:
+        return f"loaded iteration {megatron_checkpointing.load(run)}"
+    except Exception as error:  # noqa: BLE001 - what Megatron raises is the finding
+        return f"{type(error).__name__}: {error}"
+
+
+# Megatron 0.19 builds one optimizer at EP 1 (ETP = TP: expert weights reduced like dense ones) and
+# a chained pair (dense, experts) at EP > 1; its load_checkpoint cannot map the optimizer state of
+# one onto the other, stock experts as ours (measured with both).
+EP_OPTIMIZER_ERRORS = {(2, 1): "KeyError: 'optimizer'",
+                       (1, 2): "RuntimeError: Expected 2 entries in state dict, but got 4."}
+
+
+def flag_and_layout_changes(directory: str) -> dict:
+    """A run with FP4 dispatch only (BF16 experts) saves; FP8 experts resume from it (state bit for
+    bit, the next loss within the recipe's rounding of the dispatch-only run's), except from
+    Megatron's default format (refused in one sentence). They train a step and save at EP 2; EP 1
+    loads that, saves, and EP 2 loads that: weights and fp32 main weights bit for bit (experts by
+    global index) with --no-load-optim, the optimizer state being what Megatron cannot move between
+    EP 1 and EP 2 (EP_OPTIMIZER_ERRORS, checked)."""
+    dispatch = Run(plugin="dispatch", seed=1)
+    dispatch.step(0)
+    at_ep2, default = os.path.join(directory, "dispatch"), os.path.join(directory, "dispatch_default")
+    saved = _save(dispatch, 1, ["--save", at_ep2, FULLY_RESHARDABLE])
+    _save(dispatch, 1, ["--save", default])
+    continued = dispatch.step(1)
+    problems = {"dispatch_then_fp8_experts": [], "ep2_to_ep1": [], "ep1_to_ep2": []}
+    fp8 = Run(plugin="dispatch, fp8 experts", seed=2)
+    got = _load(fp8, ["--load", default, FULLY_RESHARDABLE])
+    if got != LOAD_REFUSAL:
+        problems["dispatch_then_fp8_experts"].append(f"from the default format: {got!r}")
+    problems["dispatch_then_fp8_experts"] += _loaded(fp8, ["--load", at_ep2, FULLY_RESHARDABLE], saved, 1)
+    resumed = fp8.step(1)
+    log(f"after the resume: dispatch only {continued.item()}, with FP8 experts {resumed.item()}")
+    if not (resumed - continued).abs() <= FP8_EXPERTS_FIRST_STEP_BOUND:
+        problems["dispatch_then_fp8_experts"].append(f"loss after the resume {resumed.item()} vs {continued.item()}")
+    fp8_at_ep2, fp8_at_ep1 = os.path.join(directory, "fp8_ep2"), os.path.join(directory, "fp8_ep1")
+    saved = _save(fp8, 2, ["--save", fp8_at_ep2, FULLY_RESHARDABLE])
+    for (source, target), checkpoint, case in (((2, 1), fp8_at_ep2, "ep2_to_ep1"), ((1, 2), fp8_at_ep1, "ep1_to_ep2")):
+        _expert_parallel(target)
+        error = _megatron_error(Run(plugin="dispatch, fp8 experts", seed=3, ep=target),
+                                ["--load", checkpoint, FULLY_RESHARDABLE])
+        if error != EP_OPTIMIZER_ERRORS[source, target]:
+            problems[case].append(f"with the optimizer state, Megatron's load now gives {error!r} (was "
+                                  f"{EP_OPTIMIZER_ERRORS[source, target]!r}): test that it carries the state")
+        loader = Run(plugin="dispatch, fp8 experts", seed=4 + target, ep=target)
+        problems[case] += _loaded(loader, ["--load", checkpoint, "--no-load-optim", FULLY_RESHARDABLE], saved, 2,
+                                  weights_only=True)
+        if target == 1:  # and back: the weights as EP 1 saves them (with an Adam state, as a run has)
+            for optimizer in loader.optimizer.chained_optimizers:
+                optimizer._init_optimizer_states_with_dummy_values()
+            saved = _save(loader, 2, ["--save", fp8_at_ep1, FULLY_RESHARDABLE])
+    return problems
+
+
+def formats_and_moves(results: str, directory: str) -> None:
+    """bucket_format, stock_checkpoint and flag_and_layout_changes in one process pair (Megatron's
+    start-up once); writes this rank's problems by case, as JSON, to results/rank<R>.json."""
+    from support import megatron_checkpointing
+
+    problems, start = {}, time.monotonic()
+    try:
+        bucket_format(os.path.join(directory, "bucket_format"))
+        problems["bucket_format"] = []
+    except (AssertionError, pytest.fail.Exception) as error:
+        problems["bucket_format"] = [str(error)]
+    try:
+        for scenario in (stock_checkpoint, flag_and_layout_changes):
+            log(f"{time.monotonic() - start:.1f} s in: {scenario.__name__}")
+            problems.update(scenario(os.path.join(directory, scenario.__name__)))
+    finally:
+        megatron_checkpointing.forget_arguments()
+    log(f"{time.monotonic() - start:.1f} s in: done")
+    with open(os.path.join(results, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(problems, f)
+
+
+SCENARIOS = {"cross_load": cross_load, "plugin_saver": plugin_saver, "bucket_format": bucket_format,
+             "formats_and_moves": formats_and_moves}
 
 
 def run(rank: int, scratch: str, name: str, *arguments) -> None:
