@@ -7,12 +7,12 @@ from megatron.core.enums import ModelType
 from megatron.training import pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-from ..options import Route
-from .census_watch import watch as watch_the_model
+from ..options import Route, UnsupportedConfiguration
 from .arguments import LAUNCHER_DEFAULTS, add_launcher_arguments, check_before_megatron_validates, parse_launcher_args
+from .census_watch import watch as watch_the_model
 from .gpt import forward_step, model_provider, train_valid_test_datasets_provider
 from .memory_cap import apply_memory_cap
-from .refusal import check_args
+from .refusal import check_args, refuse
 from .telemetry_log import install as install_telemetry_log
 from .workarounds import (full_validation_of_one_set, recompute_without_output_without_transformer_engine,
                           use_prebuilt_dataset_helpers)
@@ -33,7 +33,10 @@ def main():
         warnings.simplefilter("ignore")
         cfg = pretrain_cfg_container_from_args(args)
     # By keyword: megatron-core 0.18 and 0.19 order these parameters differently.
-    pretrain(cfg, train_valid_test_dataset_provider=train_valid_test_datasets_provider, model_provider=model_provider,
-             model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step)
+    try:
+        pretrain(cfg, train_valid_test_dataset_provider=train_valid_test_datasets_provider,
+                 model_provider=model_provider, model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step)
+    except UnsupportedConfiguration as err:  # met inside Megatron's loop, e.g. a checkpoint's optimizer format
+        refuse(str(err))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
