@@ -646,7 +646,7 @@ def main(argv=None) -> int:
         from megatron_fp4.corpus import build_corpus
 
         print(f"building the corpus {corpus} ...", flush=True)
-        build_corpus(corpus)
+        build_corpus(corpus, overwrite=True)  # no index: what is there is an unfinished build
     record = corpus_record(corpus, runs)
     corpus_info = check_less_than_one_epoch(runs, iters, record)
     for run in runs:

@@ -12,6 +12,7 @@ Megatron's NullTokenizer makes its end-of-document id `vocab_size - 1` (megatron
 megatron/core/tokenizers/text/libraries/null_tokenizer.py), so vocab_size 257 puts it at 256, past
 every byte; the model pads the vocabulary to 384 (--make-vocab-size-divisible-by 128).
 
+An existing PREFIX (any of the three files) is refused unless `--overwrite`.
 PREFIX.json records what was built (files, documents, tokens, the SHA-256 of the token stream, the
 sources and the settings), so that a run can record which corpus it trained on. Only the standard
 library, numpy and megatron-core are imported (a GPU machine with the megatron-core wheel can build it).
@@ -44,6 +45,7 @@ EOD = BYTE_VALUES  # the end-of-document token: NullTokenizer's eod is vocab_siz
 VOCAB_SIZE = EOD + 1  # tokenizer_type NullTokenizer with this vocab_size
 TOKEN_DTYPE = numpy.uint16  # the indexed dataset's token type (Megatron's choice below 65500 tokens)
 DEFAULT_GLOBS = ("*.py",)
+OUTPUT_SUFFIXES = (".bin", ".idx", ".json")  # what PREFIX names
 ORDERS = ("hash", "path")
 # Never walked: caches, and the third-party packages inside a standard library tree.
 SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages"})
@@ -122,12 +124,23 @@ def _check_writable(prefix: Path) -> None:
         raise CorpusError(f"cannot write to the output directory {directory}")
 
 
+def existing_files(prefix) -> List[Path]:
+    """Those of PREFIX.bin, PREFIX.idx and PREFIX.json that exist."""
+    return [path for path in (Path(f"{prefix}{suffix}") for suffix in OUTPUT_SUFFIXES) if path.exists()]
+
+
 def build_corpus(prefix, sources: Optional[Sequence[Path]] = None, globs: Sequence[str] = DEFAULT_GLOBS,
-                 order: str = "hash", progress: Callable[[str], None] = print) -> dict:
-    """Write PREFIX.bin, PREFIX.idx and PREFIX.json; returns the record written to the JSON."""
+                 order: str = "hash", progress: Callable[[str], None] = print, overwrite: bool = False) -> dict:
+    """Write PREFIX.bin, PREFIX.idx and PREFIX.json; returns the record written to the JSON. Refuses a
+    prefix of which any of the three files exists unless `overwrite`."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = Path(prefix).resolve()
+    existing = existing_files(prefix)
+    if existing and not overwrite:
+        names = ", ".join(map(str, existing[:-1])) + " and " * (len(existing) > 1) + str(existing[-1])
+        raise CorpusError(f"{names} already exist{'s' if len(existing) == 1 else ''}: pass --overwrite to replace "
+                          "the corpus, or choose another prefix")
     sources = [Path(s).resolve() for s in (default_sources() if sources is None else sources)]
     start = time.monotonic()
     documents = find_documents(sources, globs, order)
@@ -193,7 +206,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "corpus", help="build a byte-level Megatron indexed dataset from local text trees",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("prefix", help="output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.json")
+    parser.add_argument("prefix", help="output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.json (refused when "
+                                       "any of them exists, unless --overwrite)")
     parser.add_argument("--source", action="append", type=Path, metavar="DIR",
                         help="a directory to walk (repeatable); default: this interpreter's standard library "
                              f"({sysconfig.get_paths()['stdlib']}) and the installed torch package")
@@ -202,12 +216,15 @@ def register(subparsers) -> None:
                              f"source, else against the file name; default: {' '.join(DEFAULT_GLOBS)}")
     parser.add_argument("--order", choices=ORDERS, default="hash",
                         help="document order in the dataset: by a hash of each path (default), or the sorted paths")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing PREFIX.bin / .idx / .json (without it an existing one is refused)")
     parser.set_defaults(run=_run)
 
 
 def _run(args) -> int:
     try:
-        record = build_corpus(args.prefix, args.source, args.glob or DEFAULT_GLOBS, args.order)
+        record = build_corpus(args.prefix, args.source, args.glob or DEFAULT_GLOBS, args.order,
+                              overwrite=args.overwrite)
     except CorpusError as err:
         return fail(str(err))
     print(f"corpus: {record['files']} files, {record['documents']} documents, {record['tokens']} tokens "

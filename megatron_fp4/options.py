@@ -248,6 +248,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def megatron_recompute(granularity: Optional[str], modules,
+                       moe_layer_recompute: bool) -> Tuple[Optional[str], Optional[list]]:
+    """(recompute_granularity, recompute_modules) as Megatron's TransformerConfig resolves them
+    (megatron-core 0.18 and 0.19): the deprecated --moe-layer-recompute is selective recompute with
+    `moe` added to the modules (core_attn, the modules' default, when none are given); with full
+    granularity Megatron refuses it, and it is left as it is here."""
+    if not moe_layer_recompute or granularity == "full":
+        return granularity, modules
+    modules = list(modules) if modules is not None else ["core_attn"]
+    return "selective", modules + ["moe"] * ("moe" not in modules)
+
+
 def _some_layer_dense(moe_layer_freq) -> bool:
     """Megatron's moe_layer_freq: every N-th layer MoE (N > 1 leaves dense layers) or a 0/1 list per
     layer; anything else (an unparsed pattern string) counts as possibly dense."""
@@ -264,6 +276,7 @@ class ModelSettings:
     and from a TransformerConfig (whose names differ for a few settings)."""
 
     num_experts: Optional[int]
+    fp16: bool  # --fp16: the model's activations in float16
     dispatcher_type: Optional[str]
     hidden_size: Optional[int]
     dispatched_width: Optional[int]  # the MoE latent size when set, else hidden
@@ -292,6 +305,8 @@ class ModelSettings:
     has_dense_mlp: bool  # some layer's MLP is dense (no experts, or moe_layer_freq leaves layers dense)
     has_shared_experts: bool
     reset_attention_mask: bool  # data-loader masks with document boundaries (arguments only)
+    # --offload-modules under --fine-grained-activation-offloading (else none)
+    offloaded_modules: Tuple[str, ...]
     # Checkpoints of the distributed optimizer in its default, parameter-ordered format (a config
     # does not say: then FP8Experts check the format at save and load).
     bucket_space_checkpoints: bool
@@ -312,8 +327,11 @@ class ModelSettings:
     def _read(cls, source, num_experts, swiglu) -> "ModelSettings":
         get = lambda name, default=None: getattr(source, name, default)  # noqa: E731
         hidden = get("hidden_size")
+        granularity, modules = megatron_recompute(get("recompute_granularity"), get("recompute_modules"),
+                                                  bool(get("moe_layer_recompute", False)))
         return cls(
             num_experts=num_experts,
+            fp16=bool(get("fp16", False)),
             dispatcher_type=get("moe_token_dispatcher_type"),
             hidden_size=hidden,
             dispatched_width=get("moe_latent_size") or hidden,
@@ -324,8 +342,8 @@ class ModelSettings:
             context_parallel_size=get("context_parallel_size") or 1,
             swiglu=swiglu,
             add_bias_linear=bool(get("add_bias_linear", False)),
-            recompute_granularity=get("recompute_granularity"),
-            recompute_modules=tuple(get("recompute_modules") or ()),
+            recompute_granularity=granularity,
+            recompute_modules=tuple(modules or ()),
             capacity_factor=get("moe_expert_capacity_factor"),
             pad_to_capacity=bool(get("moe_pad_expert_input_to_capacity", False)),
             permute_fusion=bool(get("moe_permute_fusion", False)),
@@ -342,6 +360,7 @@ class ModelSettings:
             has_dense_mlp=not num_experts or _some_layer_dense(get("moe_layer_freq", 1)),
             has_shared_experts=bool(num_experts and get("moe_shared_expert_intermediate_size")),
             reset_attention_mask=bool(get("reset_attention_mask", False)),
+            offloaded_modules=tuple(get("offload_modules") or ()) if get("fine_grained_activation_offloading") else (),
             bucket_space_checkpoints=bool(
                 (get("use_distributed_optimizer", False) or get("use_layer_wise_distributed_optimizer", False))
                 and (get("save") or get("load")) and not get("dist_ckpt_optim_fully_reshardable", False)),
@@ -352,6 +371,9 @@ class ModelSettings:
         """Whether Megatron checkpoints whole MoE layers (MoELayer.moe_layer_recompute)."""
         return self.recompute_granularity == "selective" and "moe" in self.recompute_modules and not self.local_cuda_graphs
 
+
+# --offload-modules that Megatron implements inside its experts (TEGroupedMLP)
+_EXPERT_OFFLOAD_MODULES = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
 
 # CUDA-graph regions that contain (part of) the MoE layer; an empty list means the whole layer.
 _MOE_GRAPH_MODULES = {"moe", "moe_router", "moe_preprocess"}
@@ -524,6 +546,11 @@ REFUSALS = (
     Refusal("transformer_impl inference_optimized",
             lambda o, m, e, r: o.active and m.inference_optimized,
             "megatron_fp4 is for training: --transformer-impl inference_optimized is not supported."),
+    Refusal("--fp16 with --moe-fp4-dispatch, --moe-fp4-experts fp8 or --moe-fp4-linears fp8",
+            # The dispatch refuses float16 tokens; the experts' SM90 GEMMs write BF16 or fp32 only.
+            lambda o, m, e, r: m.fp16 and (o.dispatch or _fp8_experts(o) or _fp8_linears(o)),
+            "--moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 run on BF16 activations (MXFP4 "
+            "values can overflow float16 and the FP8 GEMMs write BF16): use --bf16 instead of --fp16."),
     Refusal("--moe-fp4-cache without whole-layer MoE recompute",
             lambda o, m, e, r: o.cache and not m.moe_recompute,
             "--moe-fp4-cache serves only the recompute of whole MoE layers: add --recompute-granularity selective "
@@ -609,6 +636,11 @@ REFUSALS = (
             lambda o, m, e, r: _fp8_experts(o) and "moe_act" in m.recompute_modules,
             "--moe-fp4-experts fp8 keeps its activations in MXFP4 and does not recompute them: drop moe_act from "
             "--recompute-modules."),
+    Refusal("--moe-fp4-experts fp8 with fine-grained offloading of the experts' activations",
+            # megatron-core 0.18 / 0.19 offload these only inside TEGroupedMLP, which our experts replace.
+            lambda o, m, e, r: _fp8_experts(o) and bool(set(m.offloaded_modules) & _EXPERT_OFFLOAD_MODULES),
+            "--moe-fp4-experts fp8 does not offload its activations to the host (Megatron offloads them only inside "
+            "its own grouped experts): drop expert_fc1, moe_act and fused_group_mlp from --offload-modules."),
 )
 
 

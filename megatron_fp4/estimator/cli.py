@@ -10,7 +10,7 @@ from ..console import fail
 from ..options import UnsupportedConfiguration
 from ..run_config import ConfigError, load_config, validate_config
 from .core import apply_overrides, estimate
-from .plot import PlotUnavailable, matplotlib_figure_class, plot
+from .plot import PlotPathError, PlotUnavailable, check_plot_path, plot
 from .report import FP4_MEMORY_ROWS, as_json, detail, table
 from .shapes import EstimateError
 
@@ -74,15 +74,16 @@ def register(subparsers) -> None:
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also draw each row's peak memory per GPU as a bar stacked by part (weights, gradients, "
                              "optimizer, activations, transient) against the GPU's memory; the suffix picks the "
-                             "format (.png, .svg, .pdf). Needs matplotlib (pip install 'megatron_fp4[plot]')")
+                             "format (.png, .svg, .pdf, or another that matplotlib writes); its folder must exist. "
+                             "Needs matplotlib (pip install 'megatron_fp4[plot]')")
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
     if args.plot:
         try:  # before the estimates, which take a while
-            matplotlib_figure_class()
-        except PlotUnavailable as err:
+            check_plot_path(args.plot)
+        except (PlotUnavailable, PlotPathError) as err:
             return fail(str(err))
     modes = ("recipe", "installed") if args.fp4_memory == "both" else (args.fp4_memory,)
     overrides = dict(args.overrides)
@@ -106,5 +107,9 @@ def run(args) -> int:
                 print()
                 print(detail(e))
     if args.plot:
-        print(f"plot: {plot(estimates, args.plot)}", file=sys.stderr if args.json else sys.stdout)
+        try:
+            written = plot(estimates, args.plot)
+        except OSError as err:  # the folder changed since the check
+            return fail(f"cannot write --plot {args.plot}: {err.strerror or err}")
+        print(f"plot: {written}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from ..options import megatron_recompute
 from ..run_config import RunConfig, load_config, parse_config_argv
 from .a2a import A2ABytes, a2a_bytes
 from .memory import RankMemory, all_ranks, make_ctx
@@ -95,9 +96,9 @@ def estimate(config, mode: str = "recipe", overrides: dict[str, object] | None =
     if overrides:
         config = apply_overrides(config, overrides)
     args = parse_config_argv(config)
-    if getattr(args, "moe_layer_recompute", False):  # deprecated spelling of recompute_modules: [moe]
-        args.recompute_granularity = "selective"
-        args.recompute_modules = list(args.recompute_modules or []) + ["moe"]
+    # The deprecated --moe-layer-recompute, resolved as Megatron resolves it (as the refusals read it).
+    args.recompute_granularity, args.recompute_modules = megatron_recompute(
+        args.recompute_granularity, args.recompute_modules, bool(getattr(args, "moe_layer_recompute", False)))
     shape = model_shape(args)
     par = parallel_layout(args, shape, config.world_size())
     p = precision_of(args, mode)

@@ -3,6 +3,7 @@ memory per GPU, stacked by part (weights, gradients, optimizer, activations, tra
 the GPU's memory, so that one picture shows which configurations (precisions, recompute scopes)
 fit. Needs matplotlib, the package's optional extra `plot`: pip install 'megatron_fp4[plot]'."""
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -15,10 +16,16 @@ from .report import display_name
 PARTS = (("weights", "#4c72b0"), ("gradients", "#55a868"), ("optimizer", "#c44e52"), ("activations", "#8172b2"),
          ("transient", "#ccb974"))
 CAPACITY_COLOUR = "#222222"
+# Formats matplotlib lists but cannot write without more software: pgf runs LaTeX (xelatex).
+NEEDS_MORE_THAN_MATPLOTLIB = frozenset({"pgf"})
 
 
 class PlotUnavailable(RuntimeError):
     """matplotlib is not installed."""
+
+
+class PlotPathError(ValueError):
+    """A --plot path that cannot be written (one sentence)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,33 @@ def matplotlib_figure_class():
     except ImportError as err:
         raise PlotUnavailable("--plot needs matplotlib: pip install 'megatron_fp4[plot]' (or matplotlib)") from err
     return Figure
+
+
+def plot_formats() -> list[str]:
+    """The file suffixes (without the dot) that plot() writes here; PlotUnavailable without matplotlib."""
+    Figure = matplotlib_figure_class()
+    return sorted(set(Figure().canvas.get_supported_filetypes()) - NEEDS_MORE_THAN_MATPLOTLIB)
+
+
+def check_plot_path(path) -> Path:
+    """Refuse, before any work, a path that plot() could not write: a missing or unwritable folder,
+    a folder itself, a suffix that is not a format matplotlib writes (PlotPathError), or no
+    matplotlib (PlotUnavailable)."""
+    formats = plot_formats()
+    path = Path(path)
+    if path.is_dir():
+        raise PlotPathError(f"--plot {path} is a folder: name a file in it, such as {path / 'memory.png'}")
+    suffix = path.suffix[1:].lower()
+    if suffix not in formats:
+        found = f"not '.{suffix}'" if suffix else "and it has none"
+        raise PlotPathError(f"--plot {path}: the file name must end in a format matplotlib writes "
+                            f"({', '.join('.' + f for f in formats)}), {found}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise PlotPathError(f"--plot {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise PlotPathError(f"--plot {path}: the folder {folder} is not writable")
+    return path
 
 
 def plot(estimates: list[Estimate], path) -> Path:
@@ -88,4 +122,5 @@ def plot(estimates: list[Estimate], path) -> Path:
     return path
 
 
-__all__ = ["Bar", "PARTS", "PlotUnavailable", "bar_of", "matplotlib_figure_class", "plot"]
+__all__ = ["Bar", "PARTS", "PlotPathError", "PlotUnavailable", "bar_of", "check_plot_path", "matplotlib_figure_class",
+           "plot", "plot_formats"]

@@ -118,11 +118,19 @@ def release_line_for(version: MegatronVersion) -> ReleaseLine:
     for line in RELEASE_LINES:
         if line.version == version.line:
             return line
-    raise PatchError(
-        f"megatron-core {version} (release line core_r{version.major}.{version.minor}) has no patch here. "
-        f"Supported release lines: {supported_lines_text()}. For another release use the plugin route "
-        "(megatron_fp4.integration.use_fp4_dispatch), or try the nearest line with --line and check first."
-    )
+    raise PatchError(f"megatron-core {version} (release line core_r{version.major}.{version.minor}) has no patch "
+                     f"here. {_supported_release_advice(version)}")
+
+
+def _supported_release_advice(version: MegatronVersion) -> str:
+    """What works for a tree outside the supported lines: megatron_fp4 refuses its release on every
+    route (megatron_fp4.options), so neither the plugin route nor another line's patch set (--line)
+    would run on it; only another release of the tree does."""
+    releases = " or ".join(f"{major}.{minor}" for major, minor in (line.version for line in RELEASE_LINES))
+    move = "upgrade" if version.line < RELEASE_LINES[0].version else "move"
+    return (f"Supported release lines: {supported_lines_text()}, and megatron_fp4 refuses any other release on "
+            f"every route (patch, plugin, launcher): {move} this tree to Megatron-LM / megatron-core {releases}, "
+            "then run the command again.")
 
 
 def release_line_named(name: str) -> ReleaseLine:
@@ -320,7 +328,9 @@ def run_patch(action: str, path, line_name: Optional[str] = None, out: TextIO = 
     try:
         root = find_tree_root(path)
         version = detect_version(root)
-        line = release_line_named(line_name) if line_name else release_line_for(version)
+        line = release_line_for(version)  # refuses a release outside the supported lines, --line or not
+        if line_name:
+            line = release_line_named(line_name)
         parts = load_parts(line)
     except PatchError as error:
         print(f"error: {error}", file=err)
@@ -405,7 +415,8 @@ def register(subparsers) -> argparse.ArgumentParser:
         sub = actions.add_parser(action, help=text, description=text)
         sub.add_argument("path", metavar="PATH", help="root of the Megatron-LM or megatron-core tree (holds megatron/)")
         sub.add_argument("--line", metavar="LINE", default=None,
-                         help="use this release line's patch set (e.g. core_r0.19 or 0.19) whatever the tree's version")
+                         help="use this release line's patch set (e.g. core_r0.19 or 0.19) instead of the one of the "
+                              "tree's version (itself one of the supported lines)")
     actions.add_parser("list", help="the patch sets and their files", description="the patch sets and their files")
     parser.set_defaults(run=_run)
     return parser

@@ -384,7 +384,8 @@ def test_a_run_on_two_gpus_says_so(tmp_path, monkeypatch, small_corpus, capsys):
     bf16 = ROOT / "configs" / "convergence" / "bf16.yaml"
     (configs / "bf16.yaml").write_text(f"include: {bf16}\n")
     (configs / "bf16_ep2.yaml").write_text(f"include: {bf16}\ncluster: {{gpus_per_node: 2}}\n"
-                                           "expert_model_parallel_size: 2\nmicro_batch_size: 16\n")
+                                           "expert_model_parallel_size: 2\nmicro_batch_size: 16\n"
+                                           "eval_global_batch_size: 2\n")  # one sample per GPU (Megatron asserts)
     record_argv = (f"import os, sys; open(os.path.join(os.environ['RUN_DIR'], 'torchrun_argv.txt'), 'w')"
                    f".write(' '.join(sys.argv[1:])); {PRINT_THE_LOG}")
     monkeypatch.setenv("GPUS_PER_NODE", "8")  # left in the caller's shell: the config decides

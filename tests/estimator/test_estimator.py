@@ -448,3 +448,62 @@ def test_cli_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys, monkey
     captured = capsys.readouterr()
     assert captured.out == "" and not path.exists()
     assert captured.err == "error: --plot needs matplotlib: pip install 'megatron_fp4[plot]' (or matplotlib)\n"
+
+
+def test_estimate_refuses_fp16_with_the_fp4_dispatch(capsys):
+    """It estimated such a run, which then stopped at its first MoE forward."""
+    config = str(ROOT / "configs" / "convergence" / "fp4_dispatch_experts.yaml")
+    assert _main(["estimate", "--set", "bf16=false", "--set", "fp16=true", config]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and one_error_line(captured.err).endswith("use --bf16 instead of --fp16.")
+    assert _main(["estimate", "--set", "bf16=false", "--set", "fp16=true",
+                  str(ROOT / "configs" / "convergence" / "bf16.yaml")]) == 0  # stock Megatron in fp16
+
+
+def test_the_moe_layer_recompute_alias_estimates_as_megatron_resolves_it(capsys):
+    """--moe-layer-recompute is `moe` added to the selective modules, core_attn (the default) when
+    none are given, as Megatron's TransformerConfig resolves it; it estimated `moe` alone."""
+    config = ROOT / "configs" / "convergence" / "fp4_dispatch.yaml"
+    alias = estimate(config, "installed", {"moe_layer_recompute": True})
+    explicit = estimate(config, "installed", {"recompute_granularity": "selective",
+                                              "recompute_modules": ["core_attn", "moe"]})
+    assert alias.recompute == explicit.recompute and alias.recompute.label() == "core_attn,moe"
+    assert alias.ranks == explicit.ranks and alias.a2a == explicit.a2a
+    # With the cache, which needs `moe` recompute: refused as another scope before.
+    assert _main(["estimate", "--set", "moe_layer_recompute=true", "--set", "moe_fp4_cache=true", str(config)]) == 0
+    assert "fp4_dispatch.yaml" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, sentence", [
+    ("missing/memory.png", "error: --plot {path}: the folder {parent} does not exist\n"),
+    ("memory.txt", "error: --plot {path}: the file name must end in a format matplotlib writes ({formats}), not "
+                   "'.txt'\n"),
+    ("memory", "error: --plot {path}: the file name must end in a format matplotlib writes ({formats}), and it has "
+               "none\n"),
+    ("memory.pgf", "error: --plot {path}: the file name must end in a format matplotlib writes ({formats}), not "
+                   "'.pgf'\n"),  # matplotlib lists it, but it runs LaTeX
+    ("", "error: --plot {path} is a folder: name a file in it, such as {path}/memory.png\n"),
+])
+def test_cli_plot_refuses_a_path_it_cannot_write_before_estimating(tmp_path, capsys, monkeypatch, name, sentence):
+    """A missing folder or a suffix matplotlib does not write ended in matplotlib's traceback, after
+    the estimates."""
+    pytest.importorskip("matplotlib")
+    from megatron_fp4.estimator import cli
+
+    monkeypatch.setattr(cli, "estimate", lambda *a, **k: pytest.fail("estimated before refusing the --plot path"))
+    path = tmp_path / name if name else tmp_path
+    assert _main(["estimate", "--plot", str(path), str(PROXY / "memcap_bf16_attn.yaml")]) == 2
+    captured = capsys.readouterr()
+    from megatron_fp4.estimator.plot import plot_formats
+
+    formats = ", ".join("." + f for f in plot_formats())
+    assert captured.out == "" and captured.err == sentence.format(path=path, parent=path.parent, formats=formats)
+    assert ".png" in formats and ".svg" in formats and ".pdf" in formats and ".pgf" not in formats
+    assert not (tmp_path / "missing").exists()
+
+
+def test_cli_plot_takes_any_suffix_case(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "memory.SVG"
+    assert _main(["estimate", "--plot", str(path), str(PROXY / "memcap_bf16_attn.yaml")]) == 0
+    assert path.read_bytes().lstrip().startswith(b"<?xml") and f"plot: {path}" in capsys.readouterr().out

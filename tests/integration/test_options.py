@@ -358,3 +358,87 @@ def test_linears_grad_flag_parses_and_needs_fp8_linears():
     _check(_fp8_linears(moe_fp4_linears_grad="bf16"))
     with pytest.raises(UnsupportedConfiguration, match="add --moe-fp4-linears fp8"):
         _check(_fp8_linears(moe_fp4_linears="bf16", moe_fp4_linears_grad="bf16"))
+
+
+FP16_REFUSAL = "use --bf16 instead of --fp16"
+
+
+@pytest.mark.parametrize("flags", [
+    {},  # the MXFP4 dispatch (the all-to-all refuses float16 tokens at the first forward)
+    {"moe_fp4_cache": True, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
+    {"moe_fp4_telemetry": True},
+    {"moe_fp4_saved_input": True},
+    {"moe_fp4_experts": "fp8", "swiglu": True, "moe_ffn_hidden_size": 2048},
+    {"moe_fp4_experts": "fp8", "swiglu": True, "moe_ffn_hidden_size": 2048, "moe_fp4_dispatch": False},
+    {"moe_fp4_dispatch": False, "moe_fp4_linears": "fp8", "transformer_impl": "local"},
+], ids=["dispatch", "cache", "telemetry", "saved-input", "fp8-experts", "fp8-experts-bf16-dispatch", "fp8-linears"])
+def test_fp16_is_refused_at_start_up_with_the_flags_that_run_on_bf16(flags):
+    """--fp16 passed the dry run and the estimate, then stopped at the first MoE forward (the
+    dispatch takes BF16 or fp32 tokens; the experts' SM90 GEMMs write BF16 or fp32): now every
+    route refuses it before anything runs, the plugin's config reading included."""
+    from megatron.core.transformer import TransformerConfig
+
+    _check(_config(**flags))  # with BF16 (or fp32) activations it passes
+    with pytest.raises(UnsupportedConfiguration, match=FP16_REFUSAL):
+        _check(_config(**flags, fp16=True))
+    with pytest.raises(UnsupportedConfiguration, match=FP16_REFUSAL):
+        validate(FP4Options.from_args(_config(**flags)), ModelSettings.from_args(_config(**flags, fp16=True)), None,
+                 Route.LAUNCHER)  # --dry-run and the estimator: no machine
+    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, fp16=True)
+    assert ModelSettings.from_config(config).fp16
+    assert not ModelSettings.from_config(TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4,
+                                                           bf16=True)).fp16
+
+
+def test_fp16_serves_the_flags_that_do_not_need_bf16():
+    _check(_config(moe_fp4_dispatch=False, fp16=True))  # nothing of ours: stock Megatron
+    _check(_fused_attention(fp16=True))  # torch's fused attention takes float16
+
+
+def test_the_moe_layer_recompute_alias_is_selective_moe_recompute():
+    """Megatron's deprecated --moe-layer-recompute is `--recompute-granularity selective
+    --recompute-modules moe` added to the modules (core_attn when none are given), which its
+    TransformerConfig resolves; the arguments still hold the alias, so the refusals resolve it too."""
+    from megatron.core.transformer import TransformerConfig
+
+    cache = dict(moe_fp4_cache=True)
+    _check(_config(**cache, recompute_granularity="selective", recompute_modules=["moe"]))
+    _check(_config(**cache, moe_layer_recompute=True))  # refused as "without whole-layer MoE recompute" before
+    _check(_config(**cache, moe_layer_recompute=True, recompute_granularity="selective",
+                   recompute_modules=["core_attn"]))
+    alias = ModelSettings.from_args(_config(moe_layer_recompute=True))
+    explicit = ModelSettings.from_args(_config(recompute_granularity="selective",
+                                               recompute_modules=["core_attn", "moe"]))
+    assert alias == explicit and alias.moe_recompute
+    assert ModelSettings.from_args(_config(moe_layer_recompute=True, recompute_modules=["mlp"])).recompute_modules \
+        == ("mlp", "moe")
+    # Megatron's own resolution, on the plugin and patch routes' config: the same settings.
+    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, moe_layer_recompute=True)
+    assert (config.recompute_granularity, config.recompute_modules) == ("selective", ["core_attn", "moe"])
+    assert ModelSettings.from_config(config).moe_recompute
+    assert ModelSettings.from_config(config).recompute_modules == alias.recompute_modules
+    # With full recompute Megatron refuses the alias; it is no `moe` recompute for the cache either.
+    with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-cache serves only the recompute of whole MoE"):
+        _check(_config(**cache, moe_layer_recompute=True, recompute_granularity="full"))
+    with pytest.raises(UnsupportedConfiguration, match="drop moe_act"):  # an alias keeps the other modules' rules
+        _check(_fp8_experts(moe_layer_recompute=True, recompute_modules=["moe_act"]))
+
+
+@pytest.mark.parametrize("modules", [["expert_fc1"], ["moe_act"], ["core_attn", "expert_fc1", "moe_act"],
+                                     ["fused_group_mlp"]])
+def test_fp8_experts_refuse_offloading_their_activations(modules):
+    """Megatron offloads expert_fc1 / moe_act / fused_group_mlp only inside TEGroupedMLP, which our FP8
+    experts replace: accepted, they did nothing."""
+    offload = dict(fine_grained_activation_offloading=True, offload_modules=modules)
+    with pytest.raises(UnsupportedConfiguration, match="drop expert_fc1, moe_act and fused_group_mlp from "
+                                                       "--offload-modules"):
+        _check(_fp8_experts(**offload))
+    with pytest.raises(UnsupportedConfiguration, match="--offload-modules"):
+        _check(_fp8_experts(**offload, moe_fp4_dispatch=False))
+    _check(_config(**offload))  # Megatron's own experts behind the FP4 dispatch: its business
+    _check(_fp8_experts(offload_modules=modules))  # listed, but offloading is off
+
+
+def test_fp8_experts_serve_offloading_outside_the_experts():
+    _check(_fp8_experts(fine_grained_activation_offloading=True, offload_modules=["core_attn", "attn_proj",
+                                                                                  "attn_norm", "mlp_norm"]))

@@ -54,7 +54,9 @@ def test_dry_run(config, monkeypatch, tmp_path, capsys):
     micro, batch = (int(words[words.index(f) + 1]) for f in ("--micro-batch-size", "--global-batch-size"))
     assert batch == 32 and micro * gpus == batch
     assert "--full-validation" in words and "--save" not in words and "--mock-data" not in words
-    assert words[words.index("--eval-global-batch-size") + 1] == words[words.index("--eval-micro-batch-size") + 1] == "1"
+    # One validation sample per GPU and step (Megatron asserts the evaluation batch splits over data parallelism).
+    assert words[words.index("--eval-micro-batch-size") + 1] == "1"
+    assert words[words.index("--eval-global-batch-size") + 1] == str(gpus)
     assert words[words.index("--tokenizer-type") + 1] == "NullTokenizer"
     assert words[words.index("--vocab-size") + 1] == "257"
     hidden = int(words[words.index("--hidden-size") + 1])

@@ -143,3 +143,31 @@ def test_the_command(tree, tmp_path, capsys):
     assert cli.main(["corpus", str(tmp_path / "x"), "--source", str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err == \
         f"error: source directory {tmp_path / 'nowhere'} does not exist or is not a directory\n"
+
+
+def test_an_existing_prefix_is_refused_unless_overwrite(tree, tmp_path, capsys):
+    """Any one of PREFIX.bin / .idx / .json refuses the command (exit 2, one line, nothing touched);
+    --overwrite rebuilds it."""
+    from megatron_fp4 import cli
+
+    prefix = tmp_path / "text"
+    assert cli.main(["corpus", str(prefix), "--source", str(tree)]) == 0
+    built = {suffix: Path(f"{prefix}{suffix}").read_bytes() for suffix in (".bin", ".idx", ".json")}
+    capsys.readouterr()
+    for suffix in (".bin", ".idx", ".json"):
+        others = tmp_path / "alone"
+        Path(f"{others}{suffix}").write_bytes(b"mine")
+        assert cli.main(["corpus", str(others), "--source", str(tree)]) == 2
+        assert capsys.readouterr().err == (f"error: {others}{suffix} already exists: pass --overwrite to replace "
+                                           "the corpus, or choose another prefix\n")
+        assert Path(f"{others}{suffix}").read_bytes() == b"mine"
+        Path(f"{others}{suffix}").unlink()
+    assert cli.main(["corpus", str(prefix), "--source", str(tree)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {prefix}.bin, {prefix}.idx and {prefix}.json already exist: ")
+    (tree / "b" / "two.py").write_bytes(b"print(3)\n")
+    assert cli.main(["corpus", str(prefix), "--source", str(tree), "--overwrite"]) == 0
+    assert json.loads(Path(f"{prefix}.json").read_text())["sha256"] != json.loads(built[".json"])["sha256"]
+    with pytest.raises(corpus.CorpusError, match="already exist"):
+        corpus.build_corpus(prefix, [tree], progress=lambda _: None)
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["corpus"].format_help()
+    assert "--overwrite" in help_text

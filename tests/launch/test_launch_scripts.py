@@ -79,12 +79,12 @@ def test_slurm_wrapper_runs_launch_on_every_node(tmp_path):
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a[01-02]",
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "777", "SLURM_SUBMIT_DIR": str(ROOT), "DRY_RUN": "1",
+           "SLURM_JOB_NUM_NODES": "32", "SLURM_JOB_ID": "777", "SLURM_SUBMIT_DIR": str(ROOT), "DRY_RUN": "1",
            "PYTHON": sys.executable}
     result = subprocess.run(["bash", str(SBATCH), CONFIG_671B, "--train-iters", "3"], capture_output=True,
                             text=True, timeout=120, env=env, check=False)
     words = _torchrun_words(result)
-    assert words[:5] == [*TORCHRUN, "--nnodes", "2"]
+    assert words[:5] == [*TORCHRUN, "--nnodes", "32"]  # the config's layout: 32 nodes of 8 GPUs
     assert words[words.index("--rdzv-endpoint") + 1] == "gpu-a01:29500"
     assert words[words.index("--rdzv-id") + 1] == "777"
     assert words[-2:] == ["--train-iters", "3"]
@@ -176,3 +176,82 @@ def test_a_refusal_in_the_training_processes_ends_the_output(monkeypatch, tmp_pa
     assert (tmp_path / "run" / "train_node0.log").read_text().splitlines()[-1] == "ChildFailedError: exitcode 2"
     # A failure without a refusal keeps torchrun's exit status.
     assert _launch_here(monkeypatch, tmp_path, "configs/proxy/gpus1_bf16.yaml", "raise SystemExit(3)") == 3
+
+
+def _words(out: str) -> list:
+    return shlex.split(out.strip().splitlines()[-1])
+
+
+def test_a_configs_own_load_is_kept(monkeypatch, tmp_path, capsys):
+    # A fine-tuning config names the checkpoint to start from and no save: the launcher saves into
+    # the run directory and adds no --load of its own (argparse keeps the last one).
+    config = tmp_path / "finetune.yaml"
+    config.write_text(f"include: {ROOT / 'configs' / 'proxy' / 'gpus2_bf16.yaml'}\nload: /ckpt/base\nfinetune: true\n")
+    monkeypatch.setenv("RUN_DIR", str(tmp_path / "run"))
+    assert torchrun.main(["--dry-run", str(config)]) == 0
+    out = capsys.readouterr().out
+    words = _words(out)
+    assert [words[i + 1] for i, word in enumerate(words) if word == "--load"] == ["/ckpt/base"]
+    assert words[words.index("--save") + 1] == str(tmp_path / "run" / "checkpoints") and "--finetune" in words
+    assert out.splitlines()[0].endswith(f"loads /ckpt/base, saves {tmp_path / 'run' / 'checkpoints'}")
+    # The same for a load given as an extra flag; without any, the run resumes from its own directory.
+    assert torchrun.main(["--dry-run", "configs/proxy/gpus2_bf16.yaml", "--load=/ckpt/other"]) == 0
+    words = _words(capsys.readouterr().out)
+    assert "--load" not in words and words[-1] == "--load=/ckpt/other" and "--save" in words
+    assert torchrun.main(["--dry-run", "configs/proxy/gpus2_bf16.yaml"]) == 0
+    words = _words(capsys.readouterr().out)
+    assert words[words.index("--load") + 1] == words[words.index("--save") + 1] == str(tmp_path / "run" / "checkpoints")
+
+
+def test_two_launches_in_the_same_second_get_their_own_run_directories(monkeypatch, tmp_path, capsys):
+    for name in ("RUN_DIR", "RUN_ID", "SLURM_JOB_ID", "NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torchrun, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(torchrun, "_now", lambda: "20260101_000000")  # one second for both
+    monkeypatch.setenv("TORCHRUN", shlex.join([sys.executable, "-c", "pass"]))
+    for _ in range(2):
+        assert torchrun.main(["configs/proxy/gpus1_bf16.yaml"]) == 0
+    first, second = tmp_path / "runs" / "gpus1_bf16_20260101_000000", tmp_path / "runs" / "gpus1_bf16_20260101_000000_2"
+    assert sorted((tmp_path / "runs").iterdir()) == [first, second]
+    for run_dir in (first, second):  # each saves to and resumes from its own checkpoints only
+        words = shlex.split((run_dir / "command.txt").read_text())
+        assert words[words.index("--save") + 1] == words[words.index("--load") + 1] == str(run_dir / "checkpoints")
+    capsys.readouterr()
+    assert torchrun.main(["--dry-run", "configs/proxy/gpus1_bf16.yaml"]) == 0  # a plan names the next free one
+    assert f"run dir {first}_3," in capsys.readouterr().out
+
+
+def test_a_launch_without_gpus_refuses_stock_configs_too(monkeypatch, tmp_path, capsys):
+    # Megatron's training needs a CUDA GPU per process; without them torchrun's processes would each
+    # end in Megatron's "requires CUDA" assertion after their argument dumps (~900 lines).
+    for name in ("RUN_DIR", "RUN_ID", "SLURM_JOB_ID", "NNODES", "GPUS_PER_NODE", "TORCHRUN", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torchrun, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(torchrun, "torchrun_argv", lambda *a: [sys.executable, "-c", "raise SystemExit(9)"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert torchrun.main(["configs/proxy/gpus2_bf16.yaml"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and one_error_line(err) == (
+        "error: this launch trains on CUDA GPUs (2 process(es) on this node, one per GPU) and torch finds none on "
+        "this machine: run it where the GPUs are (--dry-run prints its command here).")
+    assert not (tmp_path / "runs").exists()  # no run directory left behind
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))
+    assert torchrun.main(["configs/proxy/gpus2_bf16.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "torch finds 1 on this machine: run it on a node with 2, or choose a config for 1." in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_refuses_unknown_and_wrong_flags_in_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RUN_DIR", str(tmp_path / "run"))
+    for extra, sentence in [
+        (["--moe-fp4-dispach"], "error: extra flags: unknown flag --moe-fp4-dispach: not a Megatron flag nor one of "
+                                "ours; did you mean --moe-fp4-dispatch, --moe-fp4-dispatch-grad?"),
+        (["--bogus-flag", "7"], "error: extra flags: unknown flag --bogus-flag: not a Megatron flag nor one of ours"),
+        (["--micro-batch-size", "four"], "error: extra flags: argument --micro-batch-size: invalid int value: 'four'"),
+    ]:
+        assert torchrun.main(["--dry-run", "configs/proxy/gpus2_bf16.yaml", *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and one_error_line(err) == sentence

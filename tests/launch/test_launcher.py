@@ -95,6 +95,35 @@ def test_proxy_script_syntax_and_command_line():
     assert refused.returncode == 2 and "no proxy config for 3 GPU(s)" in refused.stderr
 
 
+def _proxy_on_a_machine_with(tmp_path, gpus: int, **env: str):
+    """train_proxy.sh without N where nvidia-smi lists `gpus` GPUs (a stand-in; a dry run)."""
+    bin_dir = tmp_path / f"bin{gpus}"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(f"echo {i}\n" for i in range(gpus)))
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k not in ("NPROC", "CUDA_VISIBLE_DEVICES", "RUN_NAME", "PRECISION")}
+    return subprocess.run(["bash", str(PROXY)], capture_output=True, text=True, check=False, timeout=120,
+                          env={**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DRY_RUN": "1",
+                               "PYTHON": sys.executable, "RUN_DIR": str(tmp_path / "ignored"), **env})
+
+
+def test_the_main_job_takes_the_gpus_the_machine_has(tmp_path):
+    one = _proxy_on_a_machine_with(tmp_path, 1)
+    assert one.returncode == 0, one.stderr[-2000:]
+    lines = one.stdout.splitlines()
+    assert lines[0] == "train_proxy: 1 GPU (this machine's): configs/proxy/gpus1_fp4.yaml"  # what it chose
+    words = shlex.split(lines[-1])
+    assert words[words.index("--nproc-per-node") + 1] == words[words.index("--expert-model-parallel-size") + 1] == "1"
+    assert "runs/gpus1_fp4_" in lines[1] and "ignored" not in lines[1]  # a new run directory of its own
+    # A count without a config: one line naming the largest count that fits.
+    three = _proxy_on_a_machine_with(tmp_path, 3)
+    assert three.returncode == 2 and three.stdout == ""
+    assert one_error_line(three.stderr) == ("error: the proxy runs on 1, 2, 4 or 8 GPUs and this machine has 3: "
+                                           "scripts/train_proxy.sh 2 trains on 2 of them.")
+    none = _proxy_on_a_machine_with(tmp_path, 0)
+    assert none.returncode == 2 and one_error_line(none.stderr).startswith("error: DRY_RUN=1 finds no GPUs here")
+
+
 def test_proxy_script_help_says_what_it_does():
     help_text = " ".join(subprocess.run(["bash", str(PROXY), "--help"], capture_output=True, text=True, check=True,
                                         timeout=60).stdout.split())

@@ -3,6 +3,7 @@ Megatron's parser round trip, every shipped config loads, and a config is refuse
 would refuse it."""
 
 import argparse
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from megatron_fp4.run_config import (
     planned_args,
     validate_config,
 )
+from support.entry_points import one_error_line
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHIPPED = sorted(CONFIGS.glob("**/*.yaml"))
@@ -160,3 +162,93 @@ def test_planned_args_derive_megatrons_defaults(tmp_path):
     assert args.moe_ffn_hidden_size == args.ffn_hidden_size == int(4 * 1024 * 2 / 3 / 64) * 64  # SwiGLU
     with pytest.raises(UnsupportedConfiguration, match="use --expert-tensor-parallel-size 1 .got 2."):
         validate_config(load_config(path))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("micro_batch_size: four\n", "micro_batch_size: invalid int value: 'four'"),
+    ("moe_fp4_experts: fp4\n", "moe_fp4_experts: invalid choice: 'fp4' (choose from 'bf16', 'fp8')"),
+    ("micro_batch_size: true\n", "micro_batch_size takes a value (--micro-batch-size MICRO_BATCH_SIZE), not true"),
+    ("micro_batch_size: [1, 2]\n", "micro_batch_size takes one value, not a list ([1, 2])"),
+    ("moe_fp4_bf16_linears: [attention, attn]\n", "moe_fp4_bf16_linears: invalid choice: 'attn'"),
+    ("cluster: {nodes: two}\n", "cluster.nodes must be a positive whole number, got 'two'"),
+    ("cluster: {gpus_per_node: 2.5}\n", "cluster.gpus_per_node must be a positive whole number, got 2.5"),
+    ("include: 5\n", "include takes a file name or a list of them, got 5"),
+    ("num_layers: 2\nhidden_size: 256\nnum_layers: 4\n", "key 'num_layers' is written twice (lines 1 and 3): keep one"),
+    ("cluster: {nodes: 1, nodes: 2}\n", "key 'nodes' is written twice (lines 1 and 1): keep one"),
+], ids=["int", "choice", "true-for-a-value", "list-for-one", "list-choice", "cluster-int", "cluster-fraction",
+        "include", "duplicate", "duplicate-in-cluster"])
+def test_a_bad_value_is_one_line_naming_the_file_and_the_key(tmp_path, capsys, text, message):
+    path = _write(tmp_path, "bad.yaml", text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
+    assert cli_main(["argv", str(path)]) == 2
+    assert one_error_line(capsys.readouterr().err) == f"error: {error.value}"
+
+
+def _refusals(capsys, config, extra=(), sets=()) -> dict:
+    """The sentence (or None) of each route that plans or starts a launch: `argv` (no extra flags),
+    `estimate` (the extra flags as --set), scripts/launch.py --dry-run, and a launch on this machine
+    that gets as far as torchrun (a stand-in that fails)."""
+    import torch
+
+    from megatron_fp4.launch import torchrun
+
+    sentences = {}
+    runs = {"estimate": lambda: cli_main(["estimate", str(config), *[f"--set={s}" for s in sets]]),
+            "dry-run": lambda: torchrun.main(["--dry-run", str(config), *extra]),
+            "launch": lambda: torchrun.main([str(config), *extra])}
+    if not extra:
+        runs["argv"] = lambda: cli_main(["argv", str(config)])
+    with pytest.MonkeyPatch.context() as patch:  # a Hopper node with its GPUs
+        for name in ("NNODES", "GPUS_PER_NODE", "RUN_ID", "SLURM_JOB_ID", "RUN_DIR"):
+            patch.delenv(name, raising=False)
+        patch.setenv("TORCHRUN", f"{sys.executable} -c 'raise SystemExit(9)'")
+        patch.setenv("RUN_DIR", str(config.parent / "run"))
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        patch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))
+        for route, run in runs.items():
+            status = run()
+            err = capsys.readouterr().err
+            sentences[route] = one_error_line(err)[len("error: "):] if status == 2 else status
+    return sentences
+
+
+def test_every_route_refuses_what_the_launch_refuses(tmp_path, capsys):
+    # FP8 experts with the distributed optimizer's default checkpoint format: the launch adds --save.
+    fp8 = _write(tmp_path, "fp8.yaml", f"include: {CONFIGS / 'proxy' / 'gpus2_fp4_fp8.yaml'}\n"
+                                       "dist_ckpt_optim_fully_reshardable: false\n")
+    sentences = _refusals(capsys, fp8)
+    assert set(sentences.values()) == {
+        "--moe-fp4-experts fp8 with --use-distributed-optimizer saves and loads checkpoints only in the fully "
+        "reshardable format (the default one stores optimizer state in parameter order, which differs from "
+        "Megatron's grouped experts): add --dist-ckpt-optim-fully-reshardable."}, sentences
+    # Layouts Megatron asserts on: experts over EP, EP x ETP x PP against the GPUs, batches against DP.
+    proxy = _write(tmp_path, "proxy.yaml", f"include: {CONFIGS / 'proxy' / 'gpus2_bf16.yaml'}\n")
+    for flag, value, sentence in [
+        ("num_experts", 15, "15 experts do not split over expert parallelism 2: --num-experts must be a multiple "
+                            "of --expert-model-parallel-size."),
+        ("expert_model_parallel_size", 4, "the launch's 2 GPU(s) (nodes x gpus_per_node) do not split into "
+                                          "expert-tensor x expert x pipeline parallel groups of 1 x 4 x 1"),
+        ("global_batch_size", 12, "--global-batch-size 12 is not a multiple of --micro-batch-size 4 x data "
+                                  "parallelism 2"),
+    ]:
+        sentences = _refusals(capsys, proxy, [f"--{flag.replace('_', '-')}", str(value)], [f"{flag}={value}"])
+        assert len(set(sentences.values())) == 1 and next(iter(sentences.values())).startswith(sentence), sentences
+    # The GPUs a launch starts are the environment's when it sets them.
+    import os
+
+    from megatron_fp4.launch import torchrun
+
+    os.environ["GPUS_PER_NODE"] = "3"
+    try:
+        assert torchrun.main(["--dry-run", str(proxy)]) == 2
+    finally:
+        del os.environ["GPUS_PER_NODE"]
+    assert "the launch's 3 GPU(s) (nodes x gpus_per_node) do not split into expert-tensor" in capsys.readouterr().err
+
+
+def test_estimate_refuses_an_unknown_flag(capsys):
+    assert cli_main(["estimate", str(CONFIGS / "proxy" / "gpus2.yaml"), "--set", "moe_fp4_dispach=true"]) == 2
+    assert "unknown key 'moe_fp4_dispach': not a Megatron flag nor one of ours; did you mean moe_fp4_dispatch" in (
+        one_error_line(capsys.readouterr().err))

@@ -19,6 +19,7 @@ import sys
 import tarfile
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -249,6 +250,35 @@ def test_unsupported_release_and_not_a_tree(tmp_path, capsys):
     assert "core_r0.18 (0.18.x)" in out and "core_r0.19 (0.19.x)" in out
     code, out = _run(capsys, "apply", tmp_path)
     assert code == 2 and "is not a Megatron-LM or megatron-core source tree" in out
+
+
+def test_an_older_tree_is_told_to_upgrade_on_every_route(tmp_path, capsys):
+    """A 0.17 tree was sent to the plugin route (which refuses megatron-core < 0.18) or to --line
+    0.18 (whose patch conflicts, and whose patched tree would refuse the release at start-up): the
+    one advice that works is a supported release, --line or not."""
+    from megatron_fp4.options import Environment, FP4Options, ModelSettings, Route, UnsupportedConfiguration, validate
+
+    tree = _fake_tree(tmp_path / "old", "MAJOR = 0\nMINOR = 17\nPATCH = 1\nPRE_RELEASE = ''\n")
+    before = _hashes(tree)
+    upgrade = ("megatron_fp4 refuses any other release on every route (patch, plugin, launcher): upgrade this tree "
+               "to Megatron-LM / megatron-core 0.18 or 0.19, then run the command again.")
+    for argv in (("apply", tree), ("check", tree), ("apply", tree, "--line", "0.18"), ("check", tree, "--line",
+                                                                                        "core_r0.19")):
+        code, out = _run(capsys, *argv)
+        assert code == 2, argv
+        assert out.startswith("error: megatron-core 0.17.1 (release line core_r0.17) has no patch here. ")
+        assert out.endswith(upgrade + "\n") and out.count("\n") == 1, out
+        assert "plugin route (" not in out and "--line" not in out
+    assert _hashes(tree) == before
+    # What the old advice sent people to: the plugin and the patch route both refuse 0.17.
+    for route in (Route.PLUGIN, Route.PATCH):
+        with pytest.raises(UnsupportedConfiguration, match="found 0.17.1: install a supported megatron-core"):
+            validate(FP4Options(dispatch=True), ModelSettings.from_args(SimpleNamespace(
+                num_experts=8, moe_token_dispatcher_type="alltoall", hidden_size=256)),
+                Environment("0.17.1", True, (9, 0)), route)
+    newer = _fake_tree(tmp_path / "new", "MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = 'rc1'\n")
+    code, out = _run(capsys, "check", newer)
+    assert code == 2 and "move this tree to Megatron-LM / megatron-core 0.18 or 0.19" in out
 
 
 # ----------------------------------------------------------------------------------------------------
