@@ -11,7 +11,7 @@ from typing import Iterable, Optional
 
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, MultiTokenPredictionLayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..attention import FusedCoreAttention
@@ -69,12 +69,14 @@ def _count_linears(census: Census, layer: TransformerLayer, options: FP4Options)
 
 
 def take_census(chunks: Iterable, options: FP4Options) -> Census:
-    """Count over the model chunks of this rank (modules; wrappers are fine)."""
+    """Count over the modules holding this rank's layers (model chunks, decoder blocks, MTP layers;
+    wrappers are fine; a module reached twice counts once)."""
     census = Census()
     seen = set()
     for chunk in chunks:
         modules = list(chunk.modules())
-        in_mtp = {id(m) for block in modules if isinstance(block, MultiTokenPredictionBlock) for m in block.modules()}
+        mtp = (MultiTokenPredictionBlock, MultiTokenPredictionLayer)
+        in_mtp = {id(m) for block in modules if isinstance(block, mtp) for m in block.modules()}
         for module in modules:
             if id(module) in seen:
                 continue

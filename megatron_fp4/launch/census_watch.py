@@ -1,19 +1,22 @@
 """The start-up census of a training run that asks for FP4: it cannot be silently off.
 
 `watch(options)` (called where our flags are parsed: the launcher and the plugin's
-parse_and_validate_args) records each model chunk as it is built, through torch's global
-module-registration hook (a chunk is a module that gets a TransformerBlock), and counts them at the
-first forward pass of any module, after the model, optimizer and checkpoint are set up and before
-the first step completes. It prints one line (integration.census) on the first rank of each
-pipeline stage, and stops the run with one sentence, exit status 2, on every rank whose chunks hold
-a stock layer where the flags ask for ours. Both hooks are removed at that first forward.
+parse_and_validate_args) records, through torch's global module-registration hook, every module
+that gets a TransformerLayer as it is built (a GPT decoder block, a hybrid stack, an MTP layer),
+and counts what they hold at the first forward pass of any module once one is recorded: after the
+model, optimizer and checkpoint are set up and before the first step completes. It prints one
+line (integration.census) on the first rank of each pipeline stage, and stops the run with one
+sentence, exit status 2, on every rank whose layers include a stock one where the flags ask for
+ours. Both hooks are removed then. With pipeline parallelism only the ranks of a stage holding
+stock layers stop: torchrun then ends the others, which otherwise wait for them until the
+distributed timeout.
 """
 
 import weakref
 from typing import Optional
 
 import torch
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..integration.census import census_line, shortfall, take_census
 from ..options import FP4Options
@@ -43,10 +46,12 @@ class _Watch:
                         torch.nn.modules.module.register_module_forward_pre_hook(self._first_forward)]
 
     def _registered(self, module, name, submodule):
-        if isinstance(submodule, TransformerBlock):
+        if isinstance(submodule, TransformerLayer):
             self.chunks.add(module)
 
     def _first_forward(self, module, args):
+        if not self.chunks:  # a forward before any model is built: keep watching
+            return
         stop()
         census = take_census(list(self.chunks), self.options)
         sentence = shortfall(census, self.options)

@@ -59,7 +59,8 @@ class FP4LayerSpec:
 def gpt_model_config(model_config, args=None):
     """`model_config` (the GPTModelConfig of Megatron-LM 0.19's pretrain_gpt.py) building MoE, MTP
     and linear layers as our flags ask (`args`: default Megatron's parsed arguments). Changes and
-    returns the same object; a config it cannot serve stops the run (one sentence, exit status 2)."""
+    returns the same object (unchanged without any of our flags); a config it cannot serve stops
+    the run (one sentence, exit status 2), at this call or when the model is built."""
     try:
         return _fp4_model_config(model_config, args)
     except UnsupportedConfiguration as err:
@@ -71,6 +72,9 @@ def _fp4_model_config(model_config, args):
     if args is None:
         from megatron.training import get_args
         args = get_args()
+    options = FP4Options.from_args(args)
+    if not options.active:  # no flag of ours: Megatron's config as it was
+        return model_config
     if model_config.builder not in (gpt.GPTModelConfig.builder, BUILDER):
         raise UnsupportedConfiguration(
             f"megatron_fp4 builds the model with Megatron's GPTModelBuilder, and this model config names "
@@ -78,7 +82,7 @@ def _fp4_model_config(model_config, args):
     spec = model_config.transformer_layer_spec
     if isinstance(spec, FP4LayerSpec):
         spec = spec.original
-    model_config.transformer_layer_spec = FP4LayerSpec(FP4Options.from_args(args), spec)
+    model_config.transformer_layer_spec = FP4LayerSpec(options, spec)
     model_config.builder = BUILDER  # an instance value, as Megatron's own from_dict sets it
     return model_config
 
@@ -109,8 +113,11 @@ def _builder_class():
                 refuse(
                     "FP4GPTModelBuilder builds a model config prepared by megatron_fp4.launch.gpt_model_config, "
                     "and this one's transformer_layer_spec was replaced after it: call gpt_model_config last.")
-            with _mtp_specs_through(gpt, spec.options):
-                return super().build_model(*args, **kwargs)
+            try:
+                with _mtp_specs_through(gpt, spec.options):
+                    return super().build_model(*args, **kwargs)
+            except UnsupportedConfiguration as err:  # a refusal of the spec swap (e.g. Transformer Engine layers)
+                refuse(str(err))
 
     FP4GPTModelBuilder.__module__ = __name__
     return FP4GPTModelBuilder

@@ -12,7 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_fp4.integration import FP4MoELayer
 from megatron_fp4.launch import model_config
-from megatron_fp4.options import FP4Options
+from megatron_fp4.options import FP4Options, UnsupportedConfiguration
 
 ARGS = SimpleNamespace(moe_fp4_dispatch=True)
 
@@ -82,3 +82,24 @@ def test_the_mtp_spec_function_is_megatrons_again_after_a_build(monkeypatch):
     assert megatron_gpt.mtp_block_spec is wrapped  # restored although build_model raised
     monkeypatch.undo()
     assert megatron_gpt.mtp_block_spec is stock
+
+
+def test_without_our_flags_the_config_is_megatrons():
+    config = model_config.gpt_model_config(_model_config(), SimpleNamespace())
+    assert config.builder == megatron_gpt.GPTModelConfig.builder and config.transformer_layer_spec is None
+
+
+def test_a_refusal_while_the_model_is_built_is_one_sentence(monkeypatch, capsys):
+    def refusing(spec, options):
+        raise UnsupportedConfiguration("--moe-fp4-linears fp8 serves Megatron's local MLP only.")
+
+    def build_model(self, *args, **kwargs):  # Megatron's, reduced to the spec call
+        return self._model_config.transformer_layer_spec(self._model_config, vp_stage=None)
+
+    monkeypatch.setattr(model_config, "use_fp4", refusing)
+    monkeypatch.setattr(megatron_gpt.GPTModelBuilder, "build_model", build_model)
+    config = model_config.gpt_model_config(_model_config(_moe_layer_spec()), ARGS)
+    with pytest.raises(SystemExit) as stop:
+        config.get_builder_cls()(config).build_model(pg_collection=None)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "error: --moe-fp4-linears fp8 serves Megatron's local MLP only.\n"
