@@ -159,7 +159,7 @@ FLAGS = (
          "exact) or fp8 (E4M3 with 1x128 power-of-two scales).", GradFormat),
     Flag("scale_rule", "MXFP4 block scale: ceil (2^ceil(log2(amax/6)), never clips) or floor (OCP: "
          "2^(floor(log2(amax)) - 2), saturates at 6).", ScaleRule),
-    Flag("cache", "With --recompute-modules moe: keep each MoE layer's received MXFP4 payload from its first pass "
+    Flag("cache", "With --recompute-modules moe (or Megatron's alias --moe-layer-recompute): keep each MoE layer's received MXFP4 payload from its first pass "
          "so that the recompute does not send the dispatch again (the gradient all-to-all still runs). Off by "
          "default: it holds the payload of every checkpointed MoE layer and micro-batch in flight, memory that "
          "`moe` recompute was chosen to save."),
