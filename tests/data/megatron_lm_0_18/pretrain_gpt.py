@@ -14,6 +14,7 @@ from gpt_builders import gpt_builder
 from megatron.core.enums import ModelType
 from megatron.training import pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
+# upstream's own import line, kept whole: tests/support/integration_lines.py adds the plugin's import after it
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 from megatron_lm_gpt_data import forward_step, train_valid_test_datasets_provider
 from model_provider import model_provider
