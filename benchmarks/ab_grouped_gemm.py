@@ -1,22 +1,24 @@
 #!/usr/bin/env python3
-"""This checkout's grouped FP8 GEMMs against another commit's, in one process: the A/B that a kernel
-change is judged by (a ratio against a baseline measured in the same run, on the same operands).
+"""This checkout's grouped FP8 GEMM Triton kernels against another commit's, in one process: the A/B
+that a kernel change is judged by (a ratio against a baseline measured in the same run, on the same
+operands).
 
-    git show C:megatron_fp4/kernels/grouped_fp8_gemm.py > /tmp/baseline_gemm.py
+    git show C:megatron_fp4/kernels/grouped_gemm_triton.py > /tmp/baseline_gemm.py
     python -m benchmarks.ab_grouped_gemm --baseline /tmp/baseline_gemm.py --baseline-commit C
 
 The baseline file is loaded as a module of megatron_fp4.kernels, so its relative imports resolve to
 this checkout's helpers (a baseline that needs a helper this checkout no longer has fails to load,
 and is refused). Each GEMM of bench_grouped_gemm (fc1 / fc2 forward, data and weight gradients at
-DeepSeek-V3's expert shapes, ragged counts with a quarter of the experts empty) runs at both modules'
-default tiles: the two are timed in alternation --reps times and the medians count. Their outputs'
-bits are compared and printed (a change meant to keep the sums says so when it does not).
+DeepSeek-V3's expert shapes, ragged counts with a quarter of the experts empty) is launched by both
+modules at their own default tiles into outputs allocated once (grouped_fp8_gemm checks the
+operands; the launchers take them as checked): the two are timed in alternation --reps times and the
+medians count. Their outputs' bits are compared and printed (a change meant to keep the sums says so
+when it does not).
 Rows: bench=grouped_gemm_ab, metric=tflops, reference "baseline C", same_bits.
 """
 
 import argparse
 import importlib.util
-import inspect
 import statistics
 import sys
 from pathlib import Path
@@ -25,21 +27,21 @@ from typing import Callable, Dict
 
 import torch
 
-from megatron_fp4.kernels import grouped_fp8_gemm as current
+from megatron_fp4.kernels import grouped_gemm_triton as current
 from benchmarks.bench_grouped_gemm import (ROUTED_ROWS, ROWS_GEMMS, WGRAD_GEMMS, cols_operands, rows_operands,
                                            tflops, wall_ms)
 from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
 
 BASELINE_MODULE = "megatron_fp4.kernels._ab_baseline"
-ENTRY_POINTS = ("grouped_gemm_by_weight", "grouped_wgrad", "DEFAULT_ROWS_TILES", "DEFAULT_WGRAD_TILES")
+ENTRY_POINTS = ("launch_rows", "launch_wgrad", "DEFAULT_ROWS_TILES", "DEFAULT_WGRAD_TILES")
 
 
 def load_baseline(path: Path) -> ModuleType:
-    """The module of `path` (a copy of kernels/grouped_fp8_gemm.py) inside megatron_fp4.kernels."""
+    """The module of `path` (a copy of kernels/grouped_gemm_triton.py) inside megatron_fp4.kernels."""
     if not path.is_file():
         raise SystemExit(f"ab_grouped_gemm: --baseline {path} is not a file; write one with "
-                         "`git show C:megatron_fp4/kernels/grouped_fp8_gemm.py > FILE`")
+                         "`git show C:megatron_fp4/kernels/grouped_gemm_triton.py > FILE`")
     spec = importlib.util.spec_from_file_location(BASELINE_MODULE, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[BASELINE_MODULE] = module  # Triton reads the kernels' source through their module
@@ -64,28 +66,42 @@ def alternating_rates(calls: Dict[str, Callable[[], object]], flops: float, reps
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
-def _unchecked(function) -> dict:
-    """The keyword that turns a GEMM's device-side offset checks off, where its commit has them: the
-    experts call the GEMMs so, and a commit without the checks would otherwise win by their launches."""
-    return {"check_offsets": False} if "check_offsets" in inspect.signature(function).parameters else {}
+def rows_call(module: ModuleType, rows, weights, offsets) -> Callable[[], torch.Tensor]:
+    """The module's forward / data-gradient kernel at its default tiles, into a BF16 output of its own."""
+    out = torch.empty(rows.shape[0], weights.data.shape[1], dtype=torch.bfloat16, device=rows.data.device)
+
+    def call():
+        module.launch_rows(rows, weights, offsets, out.view(torch.int16), True, module.DEFAULT_ROWS_TILES)
+        return out
+    return call
+
+
+def wgrad_call(module: ModuleType, grad_cols, x_cols) -> Callable[[], torch.Tensor]:
+    """The module's weight-gradient kernel at its default tiles, into a BF16 output of its own."""
+    experts = grad_cols.segment_offsets.numel() - 1
+    out = torch.empty(experts, grad_cols.shape[0], x_cols.shape[0], dtype=torch.bfloat16,
+                      device=grad_cols.data.device)
+
+    def call():
+        module.launch_wgrad(grad_cols, x_cols, out.view(torch.int16), False, True, module.DEFAULT_WGRAD_TILES)
+        return out
+    return call
 
 
 def gemm_calls(baseline: ModuleType, name: str, counts: torch.Tensor) -> Dict[str, Callable[[], torch.Tensor]]:
     """{"baseline": ..., "current": ...}: the GEMM `name` at each module's default tiles, same operands."""
     if name in ROWS_GEMMS:
         rows, weights, offsets, _ = rows_operands(counts, *ROWS_GEMMS[name])
-        return {label: (lambda m=module: m.grouped_gemm_by_weight(rows, weights, offsets, tiles=m.DEFAULT_ROWS_TILES,
-                                                                  **_unchecked(m.grouped_gemm_by_weight)))
+        return {label: rows_call(module, rows, weights, offsets)
                 for label, module in (("baseline", baseline), ("current", current))}
     grad_cols, x_cols = cols_operands(counts, *WGRAD_GEMMS[name])
-    return {label: (lambda m=module: m.grouped_wgrad(grad_cols, x_cols, tiles=m.DEFAULT_WGRAD_TILES,
-                                                     **_unchecked(m.grouped_wgrad)))
+    return {label: wgrad_call(module, grad_cols, x_cols)
             for label, module in (("baseline", baseline), ("current", current))}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", type=Path, required=True, help="a copy of kernels/grouped_fp8_gemm.py")
+    p.add_argument("--baseline", type=Path, required=True, help="a copy of kernels/grouped_gemm_triton.py")
     p.add_argument("--baseline-commit", required=True, help="the commit the baseline file comes from (for the rows)")
     p.add_argument("--experts", type=int, nargs="+", default=[32, 8], help="local experts")
     p.add_argument("--gemms", nargs="+", choices=list(ROWS_GEMMS) + list(WGRAD_GEMMS),

@@ -4,28 +4,30 @@
 DeepSeek-V3 expert shapes (hidden 7168, expert FFN 2048), 32768 routed rows (4096 tokens x top-8)
 over 32 or 8 local experts with ragged counts (a quarter of the experts empty). Per GEMM (fc1 and
 fc2; fprop, dgrad and wgrad), measured in the same run:
-- ours: megatron_fp4.kernels.grouped_gemm_by_weight / grouped_wgrad, at each tile config of the
-  sweep (the best one is the row; a second row, "at the experts' default tiles", has the config the
-  FP8 experts run by default, against the dense GEMM; not for fc1_fprop_from_mxfp4, which is opt-in);
+- ours: megatron_fp4.kernels.grouped_gemm_by_weight / grouped_wgrad, at each backend and tile config
+  of the sweep (the best one is the row; a second row, "at the experts' default tiles", has the
+  backend and tiles the FP8 experts run by default, against the dense GEMM);
 - dense_scaled_mm: torch.nn.functional.scaled_mm with the same block scales on the same total M,
   one dense GEMM (the ceiling a grouped GEMM can approach);
 - grouped_mm_bf16: torch._grouped_mm in BF16 over the same segments, each rounded up to 8 rows
   (its 16-byte rule; what a user could write);
-- per_expert_scaled_mm: one scaled_mm per expert from Python (the experts' previous path).
-fc1_fprop_from_mxfp4 (SM90): the forward GEMM reading the dispatched MXFP4 rows itself
-(grouped_gemm_by_weight_from_mxfp4) against convert_then_grouped_gemm, mxfp4_to_fp8_rows and then
-the FP8 grouped GEMM at its default tiles (the same bits, checked), and the dense FP8 GEMM.
+- per_expert_scaled_mm: one scaled_mm per expert from Python (ExpertGemms.PER_EXPERT's path);
+- deepgemm_grouped / deepgemm_dense, where DeepGEMM is importable (benchmarks/deepgemm_peer.py: its
+  contiguous-layout grouped GEMMs on the same quantized operands, copied to the layout it needs
+  outside the timing, its output checked against ours; the rate counts real rows only and the row
+  says how many padding rows it computed), and its dense GEMM as a second ceiling.
 Times are wall time per call over back-to-back calls (the host included where it limits), inputs
 random and far larger than L2. Rows: bench=grouped_gemm, metric=tflops, one per reference.
 
     python -m benchmarks.bench_grouped_gemm                  # 32 and 8 experts, the default sweep
     python -m benchmarks.bench_grouped_gemm --experts 32 --no-sweep
+    PYTHONPATH=<deep_gemm's folder> python -m benchmarks.bench_grouped_gemm --no-sweep --deepgemm
 """
 
 import argparse
 import dataclasses
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +35,14 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from megatron_fp4 import kernels as K
+from megatron_fp4.experts import ExpertGemms
+from megatron_fp4.experts.function import grouped_backend
 from megatron_fp4.formats import FP8_BLOCK
-from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.experts.function import ExpertGemms, grouped_tiles
-from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_ROWS_TILES, CUDA_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
-                                                   WARP_SPECIALIZED_ROWS, default_tiles)
-from megatron_fp4.kernels.grouped_gemm_sm90 import is_sm90
+from megatron_fp4.kernels import GemmBackend, GemmTiles
+from megatron_fp4.kernels.grouped_fp8_gemm import default_backend, default_rows_tiles, default_wgrad_tiles
+from megatron_fp4.kernels.grouped_gemm_sm90 import CUDA_ROWS_TILES, CUDA_TILES
+from megatron_fp4.kernels.grouped_gemm_triton import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES
+from benchmarks import deepgemm_peer
 from benchmarks.common import ragged_counts
 from benchmarks.rows import Recorder
 
@@ -48,20 +52,26 @@ HIDDEN, FFN, ROUTED_ROWS = 7168, 2048, 32768
 ROWS_GEMMS = {"fc1_fprop": (2 * FFN, HIDDEN), "fc2_fprop": (HIDDEN, FFN), "fc1_dgrad": (HIDDEN, 2 * FFN),
               "fc2_dgrad": (FFN, HIDDEN)}
 WGRAD_GEMMS = {"fc1_wgrad": (2 * FFN, HIDDEN), "fc2_wgrad": (HIDDEN, FFN)}
-MXFP4_GEMMS = {"fc1_fprop_from_mxfp4": (2 * FFN, HIDDEN)}  # the dispatched tokens are fc1's input
 
-# The Triton kernels' tiles first (the default off SM90, and the bits every other config must give),
-# the warp-specialized Gluon kernel at its best stage count of earlier sweeps (0.88x-1.02x of the
-# Triton default at 2e84cd6; docs/kernels.md has the other runners-up), then the CUDA kernels (the
-# default on SM90) at 128 and 256 columns per tile; the forward / data-gradient ones in groups of 4 row
-# tiles (their default) and of 8 (the weight gradient's).
+# (backend, tiles): the Triton kernels' tiles first (the default off SM90, and the bits every other
+# config must give), then the CUDA kernels (the default on SM90) at 128 and 256 columns per tile; the
+# forward / data-gradient ones in groups of 4 row tiles (their default) and of 8 (the weight gradient's).
+Config = Tuple[GemmBackend, GemmTiles]
 CUDA_SWEEP = [dataclasses.replace(CUDA_TILES, num_stages=stages, block_n=block_n)
               for block_n, stages in ((128, 3), (128, 4), (256, 2), (256, 3))]
-ROWS_SWEEP = [DEFAULT_ROWS_TILES, dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=5)] + [
-    dataclasses.replace(tiles, group_m=CUDA_ROWS_TILES.group_m) for tiles in CUDA_SWEEP] + CUDA_SWEEP
-WGRAD_SWEEP = [DEFAULT_WGRAD_TILES] + CUDA_SWEEP
-MXFP4_SWEEP = [dataclasses.replace(CUDA_ROWS_TILES, num_stages=stages, block_n=block_n)
-               for block_n, stages in ((128, 3), (128, 4), (256, 2))]
+ROWS_SWEEP = [(GemmBackend.TRITON, DEFAULT_ROWS_TILES)] + [
+    (GemmBackend.CUDA_SM90, tiles) for tiles in [dataclasses.replace(tiles, group_m=CUDA_ROWS_TILES.group_m)
+                                                 for tiles in CUDA_SWEEP] + CUDA_SWEEP]
+WGRAD_SWEEP = [(GemmBackend.TRITON, DEFAULT_WGRAD_TILES)] + [(GemmBackend.CUDA_SM90, tiles) for tiles in CUDA_SWEEP]
+
+
+TABLE_REFERENCES = ("dense_scaled_mm", "grouped_mm_bf16", "per_expert_scaled_mm", "deepgemm_grouped", "deepgemm_dense")
+
+
+def label(config: Config) -> str:
+    """A config as the rows and the printout name it."""
+    backend, tiles = config
+    return f"{backend.value} {tiles}"
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -89,27 +99,28 @@ def reference_tflops(name: str, flops: float, fn: Callable[[], object], iters: i
         return {}
 
 
-def swept(name: str, experts: int, sweep: List[GemmTiles], flops: float, iters: int,
-          run: Callable[[GemmTiles], torch.Tensor]) -> Dict[GemmTiles, float]:
-    """TFLOP/s of `run` at each tile config (printed). Every config computes the same sums in the same
-    order: a result whose bits differ from the first config's is said and not timed, and so is a
-    config the GPU cannot hold or this Triton cannot compile."""
+def swept(name: str, experts: int, sweep: List[Config], flops: float, iters: int,
+          run: Callable[[GemmBackend, GemmTiles], torch.Tensor]) -> Dict[Config, float]:
+    """TFLOP/s of `run` at each backend and tile config (printed). Every config computes the same sums
+    in the same order: a result whose bits differ from the first config's is said and not timed, and
+    so is a config the GPU cannot hold or this Triton cannot compile."""
     rates, expected = {}, None
-    for tiles in sweep:
+    for config in sweep:
         try:
-            result = run(tiles)
+            result = run(*config)
         except (OutOfResources, CompilationError, RuntimeError) as error:
-            if tiles == sweep[0]:
+            if config == sweep[0]:
                 raise
-            print(f"  {name} E={experts} {tiles}: skipped ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+            print(f"  {name} E={experts} {label(config)}: skipped ({type(error).__name__}: "
+                  f"{str(error).splitlines()[0][:200]})")
             continue
         if expected is None:
             expected = result
         elif not torch.equal(result.view(torch.int16), expected.view(torch.int16)):
-            print(f"  {name} E={experts} {tiles}: skipped (its result differs from {sweep[0]}'s)")
+            print(f"  {name} E={experts} {label(config)}: skipped (its result differs from {label(sweep[0])}'s)")
             continue
-        rates[tiles] = tflops(flops, wall_ms(lambda: run(tiles), iters, 3))
-        print(f"  {name} E={experts} {tiles}: {rates[tiles]:.0f} TFLOP/s")
+        rates[config] = tflops(flops, wall_ms(lambda: run(*config), iters, 3))
+        print(f"  {name} E={experts} {label(config)}: {rates[config]:.0f} TFLOP/s")
     return rates
 
 
@@ -151,31 +162,57 @@ def cols_operands(m_counts: torch.Tensor, n: int, k: int):
                  for width in (n, k))
 
 
-def experts_default_tiles(gpu: torch.device, name: str, n: int, k: int) -> GemmTiles:
-    """The tiles the FP8 experts (ExpertGemms.GROUPED) use for this forward / data-gradient GEMM: their
-    choice, or where they leave it to the kernel (None), the kernel's default."""
-    chosen = grouped_tiles(ExpertGemms.GROUPED, DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS, name.endswith("_dgrad"))
-    return chosen or default_tiles(gpu, DEFAULT_ROWS_TILES, (n, k))
+def experts_rows_config(gpu: torch.device, name: str, n: int, k: int) -> Config:
+    """The backend and tiles the FP8 experts (ExpertGemms.GROUPED) use for this forward / data-gradient
+    GEMM: their backend, or where they leave it to the kernels (None), the device's default; its tiles."""
+    backend = grouped_backend(ExpertGemms.GROUPED, name.endswith("_dgrad")) or default_backend(gpu)
+    return backend, default_rows_tiles(backend, n, k)
 
 
-def record_default(record: Callable[..., None], name: str, experts: int, rates: Dict[GemmTiles, float],
-                   default: GemmTiles, dense: float) -> None:
-    """A row for the tiles the experts use by default (the layer's rate), against the dense GEMM."""
+def experts_wgrad_config(gpu: torch.device) -> Config:
+    backend = grouped_backend(ExpertGemms.GROUPED) or default_backend(gpu)
+    return backend, default_wgrad_tiles(backend)
+
+
+def record_default(record: Callable[..., None], name: str, experts: int, rates: Dict[Config, float],
+                   default: Config, references: Dict[str, float], fields: dict) -> None:
+    """A row for the config the experts use by default (the layer's rate), against the dense GEMM and
+    DeepGEMM where measured."""
     if default in rates:
-        record(f"{name} at the experts' default tiles", experts, rates[default], default, {"dense_scaled_mm": dense})
+        record(f"{name} at the experts' default tiles", experts, rates[default], default, references, fields)
     else:
-        print(f"  {name} E={experts}: the experts' default tiles {default} were not measured")
+        print(f"  {name} E={experts}: the experts' default {label(default)} was not measured")
 
 
-def rows_gemm_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
-                   record: Callable[..., None], default: GemmTiles) -> None:
+def deepgemm_references(dg, name: str, grouped: deepgemm_peer.PeerCall, ours: torch.Tensor,
+                        dense: Optional[deepgemm_peer.PeerCall], iters: int) -> Tuple[Dict[str, float], dict]:
+    """({deepgemm_grouped, deepgemm_dense: TFLOP/s}, the row fields saying how it was measured); empty
+    without DeepGEMM (dg None) or where it refused or disagreed (said on stdout)."""
+    if dg is None:
+        return {}, {}
+    time_ms = lambda fn: wall_ms(fn, iters, 3)
+    rates, fields = {}, {}
+    grouped_rate, error = deepgemm_peer.checked_rate(name, grouped, ours, time_ms)
+    if grouped_rate is not None:
+        rates["deepgemm_grouped"] = grouped_rate
+        fields = {"deepgemm_padding_rows": grouped.padding_rows, "deepgemm_relative_error": error}
+    if dense is not None:
+        dense_rate, _ = deepgemm_peer.checked_rate(f"{name} dense", dense, None, time_ms)
+        if dense_rate is not None:
+            rates["deepgemm_dense"] = dense_rate
+    return rates, fields
+
+
+def rows_gemm_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[Config], iters: int,
+                   record: Callable[..., None], default: Config, dg=None) -> None:
     """fprop / dgrad: X [M, K] (1x128) times W_e^T, W [E, N, K] (128x128)."""
     experts, m = m_counts.numel(), int(m_counts.sum())
     rows, weights, offsets, w = rows_operands(m_counts, n, k)
     flops = 2.0 * m * n * k
 
     ours = swept(name, experts, sweep, flops, iters,
-                 lambda tiles: K.grouped_gemm_by_weight(rows, weights, offsets, tiles=tiles, check_offsets=False))
+                 lambda backend, tiles: K.grouped_gemm_by_weight(rows, weights, offsets, tiles=tiles, backend=backend,
+                                                                 check_offsets=False))
     best = max(ours, key=ours.get)
 
     b, sb = weights[0].scaled_mm_operand()  # the dense reference multiplies all rows by expert 0's weight
@@ -191,47 +228,27 @@ def rows_gemm_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: Lis
                                     lambda: torch._grouped_mm(x_padded, w_t, offs=offs32, out_dtype=torch.bfloat16),
                                     iters)
     loop = tflops(flops, wall_ms(_per_expert_loop(rows, weights, m_counts), iters, 3))
-    record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16, "per_expert_scaled_mm": loop})
-    record_default(record, name, experts, ours, default, dense)
+    peer, peer_fields = {}, {}
+    if dg is not None:
+        mine = K.grouped_gemm_by_weight(rows, weights, offsets, tiles=default[1], backend=default[0])
+        peer, peer_fields = deepgemm_references(
+            dg, name, deepgemm_peer.rows_call(dg, rows, weights, m_counts.tolist()), mine,
+            deepgemm_peer.dense_call(dg, rows, weights), iters)
+    record(name, experts, ours[best], best,
+           {"dense_scaled_mm": dense, **grouped_bf16, "per_expert_scaled_mm": loop, **peer}, peer_fields)
+    record_default(record, name, experts, ours, default, {"dense_scaled_mm": dense, **peer}, peer_fields)
 
 
-def mxfp4_fprop_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
-                     record: Callable[..., None]) -> None:
-    """fc1 fprop of MXFP4 rows: read as they are, against converting them to FP8 first."""
-    experts, m = m_counts.numel(), int(m_counts.sum())
-    _, weights, offsets, _ = rows_operands(m_counts, n, k)
-    tokens = K.quantize_mxfp4(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-    flops = 2.0 * m * n * k
-
-    def convert_then_gemm():
-        return K.grouped_gemm_by_weight(K.mxfp4_to_fp8_rows(tokens), weights, offsets, check_offsets=False)
-
-    expected = convert_then_gemm()
-    ours = swept(name, experts, sweep, flops, iters,
-                 lambda tiles: K.grouped_gemm_by_weight_from_mxfp4(tokens, weights, offsets, tiles=tiles,
-                                                                   check_offsets=False))
-    best = max(ours, key=ours.get)
-    mine = K.grouped_gemm_by_weight_from_mxfp4(tokens, weights, offsets, tiles=best)
-    if not torch.equal(mine.view(torch.int16), expected.view(torch.int16)):
-        raise SystemExit(f"{name}: reading MXFP4 gave other bits than converting first")
-    two_step = tflops(flops, wall_ms(convert_then_gemm, iters, 3))
-    rows = K.mxfp4_to_fp8_rows(tokens)
-    b, sb = weights[0].scaled_mm_operand()
-    dense = tflops(flops, wall_ms(lambda: F.scaled_mm(rows.data, b, rows.block_scales.t(), F.ScalingType.BlockWise1x128,
-                                                      sb, F.ScalingType.BlockWise128x128,
-                                                      output_dtype=torch.bfloat16), iters, 3))
-    record(name, experts, ours[best], best, {"convert_then_grouped_gemm": two_step, "dense_scaled_mm": dense})
-
-
-def wgrad_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[GemmTiles], iters: int,
-               record: Callable[..., None], default: GemmTiles) -> None:
+def wgrad_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[Config], iters: int,
+               record: Callable[..., None], default: Config, dg=None) -> None:
     """wgrad: dW_e [N, K] = dY_e^T X_e, both colwise (1x128 along tokens)."""
     experts, m = m_counts.numel(), int(m_counts.sum())
     grad_cols, x_cols = cols_operands(m_counts, n, k)
     flops = 2.0 * m * n * k
 
     ours = swept(name, experts, sweep, flops, iters,
-                 lambda tiles: K.grouped_wgrad(grad_cols, x_cols, tiles=tiles, check_offsets=False))
+                 lambda backend, tiles: K.grouped_wgrad(grad_cols, x_cols, tiles=tiles, backend=backend,
+                                                        check_offsets=False))
     best = max(ours, key=ours.get)
 
     # Dense: one [N, M] x [M, K] over the same token columns (all experts' padded segments as one K).
@@ -249,8 +266,13 @@ def wgrad_case(name: str, m_counts: torch.Tensor, n: int, k: int, sweep: List[Ge
     grouped_bf16 = reference_tflops("grouped_mm_bf16", 2.0 * rows * n * k,
                                     lambda: torch._grouped_mm(grad_t, x_padded, offs=offs32, out_dtype=torch.bfloat16),
                                     iters)
-    record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16})
-    record_default(record, name, experts, ours, default, dense)
+    peer, peer_fields = {}, {}
+    if dg is not None:
+        mine = K.grouped_wgrad(grad_cols, x_cols, tiles=default[1], backend=default[0])
+        peer, peer_fields = deepgemm_references(dg, name, deepgemm_peer.wgrad_call(dg, grad_cols, x_cols), mine, None,
+                                                iters)
+    record(name, experts, ours[best], best, {"dense_scaled_mm": dense, **grouped_bf16, **peer}, peer_fields)
+    record_default(record, name, experts, ours, default, {"dense_scaled_mm": dense, **peer}, peer_fields)
 
 
 def main(argv=None) -> int:
@@ -258,49 +280,49 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, nargs="+", default=[32, 8], help="local experts")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-sweep", action="store_true",
-                   help="only the tiles the FP8 experts use by default (on SM90: the CUDA kernels, the Triton kernel for "
-                        "the data gradients; fc1_fprop_from_mxfp4: the CUDA kernel's default tiles)")
-    everything = [*ROWS_GEMMS, *WGRAD_GEMMS, *MXFP4_GEMMS]
+                   help="only the backend and tiles the FP8 experts use by default (on SM90: the CUDA kernels, the "
+                        "Triton kernel for the data gradients)")
+    everything = [*ROWS_GEMMS, *WGRAD_GEMMS]
     p.add_argument("--gemms", nargs="+", choices=everything, default=everything,
-                   help="the GEMMs to measure (default: all seven; fc1_fprop_from_mxfp4 on SM90 GPUs only)")
+                   help="the GEMMs to measure (default: all six)")
+    p.add_argument("--deepgemm", action="store_true",
+                   help="stop unless DeepGEMM is importable (without the flag it is measured where importable, and "
+                        "the run says so where not)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_grouped_gemm needs a CUDA GPU (SM90)")
+    dg = deepgemm_peer.load()
+    if dg is None and args.deepgemm:
+        raise SystemExit("bench_grouped_gemm: --deepgemm given and deep_gemm cannot be imported (above)")
     recorder = Recorder("grouped_gemm", gpus=1, hidden=HIDDEN, ffn=FFN, routed_rows=ROUTED_ROWS, iters=args.iters)
     print(recorder.description())
     table: List[str] = []
 
-    def record(case: str, experts: int, value: float, tiles: GemmTiles, references: Dict[str, float]) -> None:
+    def record(case: str, experts: int, value: float, config: Config, references: Dict[str, float],
+               fields: dict) -> None:
         for reference, reference_value in references.items():
             recorder.add(case, "tflops", value, "TFLOP/s", reference, reference_value, better="higher",
-                         local_experts=experts, tiles=str(tiles))
+                         local_experts=experts, tiles=label(config), **fields)
         table.append(f"| {case} | {experts} | {value:.0f} | " + " | ".join(
-            f"{references.get(r, float('nan')):.0f} ({value / references[r]:.2f}x)" if r in references else "-"
-            for r in ("dense_scaled_mm", "grouped_mm_bf16", "per_expert_scaled_mm", "convert_then_grouped_gemm"))
-            + f" | {tiles} |")
+            f"{references[r]:.0f} ({value / references[r]:.2f}x)" if r in references else "-"
+            for r in TABLE_REFERENCES) + f" | {label(config)} |")
 
     gpu = torch.device("cuda")
-    wgrad_sweep = [default_tiles(gpu, DEFAULT_WGRAD_TILES)] if args.no_sweep else WGRAD_SWEEP
+    wgrad_default = experts_wgrad_config(gpu)
+    wgrad_sweep = [wgrad_default] if args.no_sweep else WGRAD_SWEEP
     for experts in args.experts:
         counts = ragged_counts(ROUTED_ROWS, experts, seed=experts)
         print(f"E={experts}: counts {counts.tolist()}")
         for name, (n, k) in ROWS_GEMMS.items():
             if name in args.gemms:
-                default = experts_default_tiles(gpu, name, n, k)
+                default = experts_rows_config(gpu, name, n, k)
                 rows_sweep = [default] if args.no_sweep else ROWS_SWEEP
-                rows_gemm_case(name, counts, n, k, rows_sweep, args.iters, record, default)
+                rows_gemm_case(name, counts, n, k, rows_sweep, args.iters, record, default, dg)
         for name, (n, k) in WGRAD_GEMMS.items():
             if name in args.gemms:
-                wgrad_case(name, counts, n, k, wgrad_sweep, args.iters, record, default_tiles(gpu, DEFAULT_WGRAD_TILES))
-        for name, (n, k) in MXFP4_GEMMS.items():
-            if name in args.gemms and not is_sm90(gpu):
-                print(f"{name}: not measured (its kernel runs on SM90 GPUs only)")
-            elif name in args.gemms:
-                mxfp4_sweep = [default_tiles(gpu, DEFAULT_ROWS_TILES, (n, k))] if args.no_sweep else MXFP4_SWEEP
-                mxfp4_fprop_case(name, counts, n, k, mxfp4_sweep, args.iters, record)
-    print("| GEMM | local experts | ours TFLOP/s | dense scaled_mm | grouped_mm BF16 | per-expert scaled_mm "
-          "| convert + GEMM | tiles |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+                wgrad_case(name, counts, n, k, wgrad_sweep, args.iters, record, wgrad_default, dg)
+    print("| GEMM | local experts | ours TFLOP/s | " + " | ".join(TABLE_REFERENCES) + " | backend and tiles |")
+    print("| --- " * (len(TABLE_REFERENCES) + 4) + "|")
     print("\n".join(table))
     recorder.write()
     return 0

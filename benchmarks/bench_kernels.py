@@ -122,8 +122,8 @@ def swiglu_cases() -> List[Case]:
     """The experts' SwiGLU kernels, [T, H] read as fc1_out (H = 2 x FFN): the forward writing fc2_in's FP8
     rows and either the MXFP4 copies backward reads (the FP4 recipe) or its BF16 values (the baseline);
     the backward from BF16 fc1_out and from its MXFP4 copy (dequantized first: two kernels). Bytes: what each reads and writes once (probs and the FP8 scales included)."""
-    from megatron_fp4.experts.swiglu import swiglu_with_probs_backward
-    from megatron_fp4.experts.swiglu_forward import swiglu_quantized
+    from megatron_fp4.kernels.swiglu import swiglu_with_probs_backward
+    from megatron_fp4.kernels.swiglu_forward import swiglu_quantized
 
     def with_probs(x):
         return x, torch.rand(x.shape[0], device=x.device)

@@ -62,11 +62,8 @@ def parse_args(argv):
                    help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT), with "
                    "their weights quantized per use (--moe-fp4-weights-per-use), on the Triton GEMM kernels "
                    "(ExpertGemms.GROUPED_TRITON; on SM90 the default runs the forward and weight-gradient GEMMs on "
-                   "the CUDA ones), with fc1 reading the "
-                   "dispatched MXFP4 tokens itself (ExpertGemms.GROUPED_FROM_MXFP4, SM90 only), with the "
-                   "warp-specialized "
-                   "Gluon fprop/dgrad kernel (GPU only), and the FP8 baseline behind megatron_fp4's permute (the FP4 "
-                   "layers' atomic-free sums, BF16 dispatch)")
+                   "the CUDA ones), and the FP8 baseline behind megatron_fp4's permute (the FP4 layers' atomic-free "
+                   "sums, BF16 dispatch)")
     return p.parse_args(argv)
 
 
@@ -181,11 +178,8 @@ FP4_FP8 = "FP4 dispatch + FP8 experts"
 FP8_BASELINE_PER_EXPERT = "FP8 baseline, per-expert scaled_mm"
 FP4_FP8_PER_EXPERT = "FP4 dispatch + FP8 experts, per-expert scaled_mm"
 FP4_FP8_WEIGHTS_PER_USE = "FP4 dispatch + FP8 experts, weights quantized per use"
-FP4_FP8_WARP_SPECIALIZED = "FP4 dispatch + FP8 experts, warp-specialized fprop/dgrad GEMMs"
 # The grouped GEMMs on the Triton kernels where the CUDA ones are the default (SM90).
 FP4_FP8_TRITON = "FP4 dispatch + FP8 experts, Triton GEMMs"
-# fc1 reading the dispatched MXFP4 tokens itself instead of their FP8 copy (SM90).
-FP4_FP8_FROM_MXFP4 = "FP4 dispatch + FP8 experts, fc1 reads the MXFP4 tokens"
 # The FP8 baseline with the FP4 layers' permute (dispatch/permute.py): what FP4 dispatch adds or saves
 # apart from the permute.
 FP8_BASELINE_LEAN_PERMUTE = "FP8 baseline behind megatron_fp4's permute"
@@ -215,14 +209,7 @@ def experts_layers(args, config, stock, fp4) -> dict:
                                                                      experts="fp8"), ExpertGemms.PER_EXPERT),
                                      (FP4_FP8_WEIGHTS_PER_USE, per_use, ExpertGemms.GROUPED),
                                      (FP4_FP8_TRITON, FP4Options(dispatch=True, dispatch_grad=args.grad,
-                                                                 experts="fp8"), ExpertGemms.GROUPED_TRITON),
-                                     *_cuda_only(FP4_FP8_FROM_MXFP4, FP4Options(dispatch=True, dispatch_grad=args.grad,
-                                                                                experts="fp8"),
-                                                 ExpertGemms.GROUPED_FROM_MXFP4),
-                                     *_cuda_only(FP4_FP8_WARP_SPECIALIZED, FP4Options(dispatch=True,
-                                                                                      dispatch_grad=args.grad,
-                                                                                      experts="fp8"),
-                                                 ExpertGemms.GROUPED_WARP_SPECIALIZED)):
+                                                                 experts="fp8"), ExpertGemms.GROUPED_TRITON)):
             layer = build_moe_layer(config, options).cuda()
             layer.load_state_dict(stock.state_dict())
             layer.experts.gemms = gemms
@@ -231,15 +218,6 @@ def experts_layers(args, config, stock, fp4) -> dict:
                                                                config)
         layers[FP8_BASELINE_LEAN_PERMUTE].load_state_dict(stock.state_dict())
     return layers
-
-
-def _cuda_only(name, options, gemms):
-    """[(name, options, gemms)] on a GPU; on the CPU (the interpreter runs the Triton kernels) a Gluon
-    or CUDA C++ kernel cannot run: said, and left out."""
-    if torch.cuda.is_available():
-        return [(name, options, gemms)]
-    print(f"{name}: not run (its kernel needs a GPU)")
-    return []
 
 
 def _with_lean_permute(layer, config):

@@ -1,4 +1,4 @@
-# Sourced by the GPU drivers (gpu_checks.sh, convergence.sh) from the repository root: NVLink
+# Sourced by the GPU drivers (gpu_checks.sh, convergence/train.sh) from the repository root: NVLink
 # multicast off, unbuffered Python, this checkout first on PYTHONPATH, and the megatron-core wheel(s)
 # in ${MEGATRON_WHEEL_DIR:-.whl} installed to /tmp/site when megatron.core is not importable.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

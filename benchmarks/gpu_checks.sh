@@ -82,7 +82,7 @@ fi
 # 2000 iterations, a few minutes) beside the same recipe on one GPU (fp4), both against the stored
 # one-GPU BF16 run of seed 1234: only when CHECKS names convergence_ep2, on 2+ GPUs.
 if ((GPUS >= 2)) && [[ " ${CHECKS:-} " == *" convergence_ep2 "* ]]; then
-    step convergence_ep2 env PLOT=runs/convergence_ep2.png bash benchmarks/convergence.sh --runs fp4 \
+    step convergence_ep2 env PLOT=runs/convergence_ep2.png bash benchmarks/convergence/train.sh --runs fp4 \
         --run "fp4_ep2 fp4_ep2 1234" --reference-rows benchmarks/results --budget-s "${CONVERGENCE_BUDGET_S:-420}"
 fi
 step train_proxy env TRAIN_ITERS="${TRAIN_ITERS:-60}" RUN_NAME=proxy_fp4 bash scripts/train_proxy.sh "$GPUS" \

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
-from megatron_fp4.kernels.grouped_fp8_gemm import DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS
+from megatron_fp4.kernels import GemmBackend
 from benchmarks.bench_grouped_gemm import ROUTED_ROWS, ROWS_GEMMS, rows_operands, tflops, wall_ms
 from benchmarks.common import ragged_counts
 
-VARIANTS = ("dense", "triton", "ws")
+VARIANTS = ("dense", "triton", "cuda_sm90")
 
 
 def _counts(experts: int, even: bool) -> torch.Tensor:
@@ -40,10 +40,10 @@ def _calls(n: int, k: int, counts: torch.Tensor):
     return {
         "dense": lambda: F.scaled_mm(rows.data, b, rows.block_scales.t(), F.ScalingType.BlockWise1x128, sb,
                                      F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
-        "triton": lambda: K.grouped_gemm_by_weight(rows, weights, offsets, tiles=DEFAULT_ROWS_TILES,
+        "triton": lambda: K.grouped_gemm_by_weight(rows, weights, offsets, backend=GemmBackend.TRITON,
                                                    check_offsets=False),
-        "ws": lambda: K.grouped_gemm_by_weight(rows, weights, offsets, tiles=WARP_SPECIALIZED_ROWS,
-                                               check_offsets=False),
+        "cuda_sm90": lambda: K.grouped_gemm_by_weight(rows, weights, offsets, backend=GemmBackend.CUDA_SM90,
+                                                      check_offsets=False),
     }
 
 

@@ -84,7 +84,7 @@ class FusedCoreAttention(MegatronModule):
             if sq != sk:
                 _refuse(f"serves training's causal self-attention (query and key of one length), got {sq} and {sk}.")
             # Like Transformer Engine's causal attention: a mask the data loader sent is the causal one
-            # (--reset-attention-mask, which would change it, is refused in options.py).
+            # (--reset-attention-mask, which would change it, is refused in options/refusals.py).
             return True
         if mask_type is AttnMaskType.no_mask and attention_mask is None:
             return False

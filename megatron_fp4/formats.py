@@ -1,6 +1,6 @@
 """Format constants for MXFP4 (OCP MX, E2M1 elements + E8M0 block scales) and FP8 1x128.
 
-DESIGN.md section 3 is normative; this module names its numbers once so that the reference,
+docs/design.md §2 (with §3) is normative; this module names its numbers once so that the reference,
 the kernels and the tests cannot drift apart.
 """
 

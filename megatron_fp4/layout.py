@@ -1,4 +1,4 @@
-"""Where each expert's tokens sit in a colwise (X^T) operand, the wgrad GEMM's (DESIGN §4).
+"""Where each expert's tokens sit in a colwise (X^T) operand, the wgrad GEMM's (docs/design.md §3.4).
 
 A 1x128 FP8 block along tokens must never mix two experts, so each expert's segment is padded to
 whole 128-token blocks and starts at a multiple of 128. The kernels, the experts and the reference

@@ -1,5 +1,5 @@
 """Whether Megatron recomputes a module, from its config: nothing inside a recomputation is kept in
-FP4 unless it is exact (DESIGN §7), so the FP8 linears and experts ask before storing MXFP4."""
+FP4 unless it is exact (docs/design.md §6.4), so the FP8 linears and experts ask before storing MXFP4."""
 
 from typing import FrozenSet
 

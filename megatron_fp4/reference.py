@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of every operation: the definition of the truth (DESIGN §3-§4).
+"""Pure-PyTorch reference of every operation: the definition of the truth (docs/design.md §2-§3).
 
 Written for clarity, not speed: float64 where that makes a step exact, torch's own float8 cast for
 the final E4M3 rounding, Python loops over experts. Runs on CPU and GPU. The Triton kernels are
@@ -121,18 +121,6 @@ def _fp8_from_fp4_groups(codes: torch.Tensor, scale_byte: torch.Tensor, group_ma
     values = _e2m1_values(codes) * _pow2(FP4_TO_FP8_HEADROOM_LOG2 - gap)
     values = torch.where(scale_byte == E8M0_NAN, float("nan"), values)
     return values.float().to(torch.float8_e4m3fn)
-
-
-def fp4_to_fp8_magnitude_table(device=None) -> torch.Tensor:
-    """uint8 [256, 8]: row d holds the E4M3 bytes of the E2M1 magnitudes 0..7 (codes 0-7) at scale gap
-    d = S - e (the rule of _fp8_from_fp4_groups); row 255, a gap no pair of finite bytes makes, is 0.
-    The oracle of kernels/_e4m3_table, which the CUDA forward GEMM that reads MXFP4 converts with."""
-    gaps = torch.arange(E8M0_MAX_FINITE + 1, dtype=torch.int64, device=device)
-    magnitudes = torch.arange(8, dtype=torch.int64, device=device)
-    table = torch.zeros(E8M0_NAN + 1, 8, dtype=torch.uint8, device=device)
-    table[: gaps.numel()] = _fp8_from_fp4_groups(magnitudes[None, :], (E8M0_MAX_FINITE - gaps)[:, None],
-                                                 torch.tensor(E8M0_MAX_FINITE, device=device)).view(torch.uint8)
-    return table
 
 
 def _finite_bytes(scale_byte: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ def _close_matches(name: str, candidates, n: int = 4) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
-def _check_flag(name: str, value, where: Path) -> None:
+def check_flag(name: str, value, where: Path) -> None:
     flags = known_flags()
     if name not in flags:
         raise ConfigError(f"{where}: unknown key {name!r}: not a Megatron flag nor one of ours"
@@ -221,7 +221,7 @@ def load_config(path, _chain: tuple = ()) -> RunConfig:
         if key == "cluster":
             _merge_cluster(config.cluster, value, path)
             continue
-        _check_flag(key, value, path)
+        check_flag(key, value, path)
         config.flags.pop(key, None)  # an override moves to the end, as it would on a command line
         config.flags[key] = value
     return config

@@ -1,6 +1,6 @@
 """Containers for the two quantized layouts. Plain data holders: no autograd, no kernels.
 
-MXFP4Tensor keeps one token per row in the wire format of DESIGN §3 (H/2 bytes of packed E2M1
+MXFP4Tensor keeps one token per row in the wire format of docs/design.md §2.3 (H/2 bytes of packed E2M1
 data, then H/32 E8M0 scale bytes), so the same buffer can go through the all-to-all unchanged.
 
 FP8BlockTensor keeps E4M3 data [rows, cols] with one power-of-two fp32 scale per 1x128 block

@@ -59,10 +59,10 @@ def a2a_bytes(s: ModelShape, par: Parallel, p: Precision, rc: Recompute, rank: i
         return A2ABytes(0, 0, 0, 0, 0)
     rows = tokens_per_microbatch(s, par) * s.topk / (par.tp if par.sequence_parallel else 1)
     n = moe_layers_on_rank(s, par, rank) * microbatches_per_step(s, par) * rows
-    dispatch = row_bytes("fp4" if p.fp4_dispatch else "bf16", s.hidden)
+    dispatch = row_bytes("fp4" if p.fp4_dispatch else "fp8" if p.fp8_dispatch else "bf16", s.hidden)
     bf16 = row_bytes("bf16", s.hidden)
     again = 0.0
-    if "moe" in rc or rc.granularity == "full":
+    if "moe" in rc or rc.granularity == "full":  # (`moe_expert` recomputes no communication)
         again = bf16 + (0.0 if p.fp4_dispatch and p.fp4_cache else dispatch)
     return A2ABytes(dispatch_forward=n * dispatch, dispatch_backward=n * row_bytes(p.grad_wire, s.hidden),
                     combine_forward=n * bf16, combine_backward=n * bf16, recompute_forward=n * again)

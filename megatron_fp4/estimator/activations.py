@@ -73,6 +73,8 @@ class Ctx:
         """Whether the run recomputes `role`'s module (options.RECOMPUTED_BY, the plugin's own rule;
         full recompute covers all)."""
         rc = self.run_recompute
+        if role in (ATTENTION, MLA_UP) and "attn" in rc:  # the fork's whole-attention module
+            return True
         return rc.granularity == "full" or any(module in rc for module in RECOMPUTED_BY[role])
 
     def fp4_stored(self, role: LinearRole) -> bool:
@@ -141,7 +143,18 @@ def _output_projection_input(c: Ctx, attention: dict, features: float) -> dict:
     return {"proj_in": c.tokens * features * bytes_per}
 
 
+def _recomputed_attention(c: Ctx) -> dict:
+    """The fork's `attn` recompute: the block's checkpoint keeps its input, the input LayerNorm's
+    output (nothing under `layernorm`, which discards it and restores it for backward)."""
+    out = {"layer_input": c.resid * c.s.hidden * c.p.model_bytes}
+    if "layernorm" not in c.rc:
+        out["attn_checkpoint_in"] = c.resid * c.s.hidden * c.p.model_bytes
+    return out
+
+
 def standard_attention(c: Ctx) -> dict:
+    if "attn" in c.rc:
+        return _recomputed_attention(c)
     s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
     heads, groups, d = s.heads / tp, s.query_groups / tp, s.head_dim
     out = {"layer_input": c.resid * s.hidden * mb}
@@ -168,6 +181,8 @@ def standard_attention(c: Ctx) -> dict:
 
 
 def mla_attention(c: Ctx) -> dict:
+    if "attn" in c.rc:
+        return _recomputed_attention(c)
     s, tp, mb, T = c.s, c.par.tp, c.p.model_bytes, c.tokens
     heads = s.heads / tp
     q_head = s.qk_head_dim + s.qk_rope_dim
@@ -214,6 +229,14 @@ def dense_mlp(c: Ctx) -> dict:
     return out
 
 
+def dispatched_bytes(p: Precision) -> float:
+    """Bytes per element of the tokens as the experts receive them: the MXFP4 payload where the
+    experts keep it, FP8 1x128 under an FP8 dispatch (FP8-Flow-MoE's), else the model dtype."""
+    if p.fp4_expert_input:
+        return MXFP4_BYTES
+    return FP8_1X128_BYTES if p.fp8_dispatch else p.model_bytes
+
+
 def expert_rows(c: Ctx) -> float:
     """Rows the routed experts of one GPU process per micro-batch (balanced routing)."""
     return c.tokens * c.s.topk
@@ -243,11 +266,15 @@ def moe_mlp(c: Ctx) -> dict:
             out["shared_fc1_in"] = c.resid * h * p.fp8_act_bytes
         out["shared_fc1_out"] = c.tokens * s.fc1_factor * fs * c.swiglu_input(SHARED)
         out["shared_fc2_in"] = c.tokens * fs * c.fc2_input(SHARED)
+    if "moe_expert" in c.rc:  # the experts' checkpoint keeps its inputs: the tokens as dispatched, the probs
+        out["expert_checkpoint_in"] = rows * h * dispatched_bytes(p)
+        out["expert_probs"] = rows * 4
+        return out
     fm = s.moe_ffn_hidden / c.par.etp
     # Our FP8 experts keep their SwiGLU and fc2 inputs in MXFP4, except inside a recomputation (the
-    # whole MoE layer's or full): there a BF16 SwiGLU input and FP8 columns of the fc2 input.
+    # whole MoE layer's, the experts' or full): there a BF16 SwiGLU input and FP8 columns of the fc2 input.
     storage_rc = c.run_recompute
-    fp4 = p.fp4_experts and not (storage_rc.granularity == "full" or "moe" in storage_rc)
+    fp4 = p.fp4_experts and not (storage_rc.granularity == "full" or "moe" in storage_rc or "moe_expert" in storage_rc)
     # Our FP8 experts without a payload (the FP8 baseline) keep the fc1 and fc2 inputs as FP8 1x128
     # columns (each expert's tokens padded to 128, left out here) and the SwiGLU input in BF16.
     gemm_input = FP8_1X128_BYTES if p.fp8_experts else p.gemm_input_bytes

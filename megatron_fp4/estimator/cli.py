@@ -36,16 +36,19 @@ Memory per GPU, on the pipeline rank with the largest peak:
              what the backward has freed by then), the logits during the loss, persistent
              attention buffers
   peak       the sum, in GiB (2^30 bytes): comparable with Megatron's "max allocated", not with
-             "reserved" (the caching allocator holds a few % more); % GPU and fits compare it
-             with the config's cluster.gpu_memory_gib.
+             "reserved"
+  device     device-level rows outside max allocated (assumptions, docs/estimator.md): the CUDA
+             context, NCCL's buffers, DeepEP's buffers (flex dispatcher), the caching allocator's
+             reserve (a fraction of the peak)
+  GPU GiB    peak + device: what a GPU monitor shows; % GPU and fits compare it with the config's
+             cluster.gpu_memory_gib ('tight': fits only if the allocator gives its reserve back)
 a2a: GB (10^9 bytes) one GPU sends per step through the MoE dispatch and combine all-to-alls,
 forward and backward, and again for `moe` recompute.
 
 {fp4_rows}
 
-Not modeled: the caching allocator's reserve and fragmentation, NCCL and CUDA context memory,
-routing imbalance (experts assumed to receive k*T rows on average), and the code paths of Megatron
-options the configs here do not use. Assumptions and validation: docs/estimator.md.
+Not modeled: routing imbalance (experts assumed to receive k*T rows on average), and the code paths
+of Megatron options the configs here do not use. Assumptions and validation: docs/estimator.md.
 """.format(fp4_rows=textwrap.fill(
     "For an fp4 config (moe_fp4_dispatch: true) two rows (--fp4-memory): " + FP4_MEMORY_ROWS, width=100,
     break_on_hyphens=False))  # flags stay whole

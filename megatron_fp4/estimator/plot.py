@@ -1,6 +1,6 @@
-"""`megatron-fp4 estimate --plot FILE.png`: each estimate row as one horizontal bar of its peak
-memory per GPU, stacked by part (weights, gradients, optimizer, activations, transient), against
-the GPU's memory, so that one picture shows which configurations (precisions, recompute scopes)
+"""`megatron-fp4 estimate --plot FILE.png`: each estimate row as one horizontal bar of its
+device-level memory per GPU, stacked by part (weights, gradients, optimizer, activations,
+transient, the device-level rows), against the GPU's memory, so that one picture shows which configurations (precisions, recompute scopes)
 fit. Needs matplotlib, the package's optional extra `plot`: pip install 'megatron_fp4[plot]'."""
 
 import os
@@ -11,10 +11,10 @@ from typing import Optional
 from .core import GIB, Estimate
 from .report import display_name
 
-# (part, colour); the parts sum to the peak, as the table's columns do (transient includes the
-# persistent buffers, as the table's transient column does).
+# (part, colour); the parts sum to the device-level peak, as the table's columns do (transient
+# includes the persistent buffers; device: CUDA context, NCCL, DeepEP, the allocator's reserve).
 PARTS = (("weights", "#4c72b0"), ("gradients", "#55a868"), ("optimizer", "#c44e52"), ("activations", "#8172b2"),
-         ("transient", "#ccb974"))
+         ("transient", "#ccb974"), ("device", "#8c8c8c"))
 CAPACITY_COLOUR = "#222222"
 # Formats matplotlib lists but cannot write without more software: pgf runs LaTeX (xelatex).
 NEEDS_MORE_THAN_MATPLOTLIB = frozenset({"pgf"})
@@ -33,6 +33,7 @@ class Bar:
     label: str
     parts: dict  # part -> GiB, in PARTS order
     capacity_gib: Optional[float]  # the config's cluster.gpu_memory_gib
+    verdict: Optional[str] = None  # Estimate.verdict: fits, tight or OOM
 
     @property
     def peak_gib(self) -> float:
@@ -40,15 +41,16 @@ class Bar:
 
     @property
     def fits(self) -> Optional[bool]:
-        return None if self.capacity_gib is None else self.peak_gib <= self.capacity_gib
+        return None if self.verdict is None else self.verdict != "OOM"
 
 
 def bar_of(e: Estimate) -> Bar:
     r = e.peak_rank
     mode = f", {e.mode}" if e.precision.name == "fp4" else ""
     label = f"{display_name(e.config)}\n{e.precision.name}{mode}, recompute {e.recompute.label()}"
-    values = (r.static.weights, r.static.grads, r.static.optimizer, r.activations, r.transient + r.static.workspace)
-    return Bar(label, {part: value / GIB for (part, _), value in zip(PARTS, values)}, e.gpu_memory_gib)
+    values = (r.static.weights, r.static.grads, r.static.optimizer, r.activations, r.transient + r.static.workspace,
+              e.device.total)
+    return Bar(label, {part: value / GIB for (part, _), value in zip(PARTS, values)}, e.gpu_memory_gib, e.verdict)
 
 
 def matplotlib_figure_class():
@@ -103,7 +105,7 @@ def plot(estimates: list[Estimate], path) -> Path:
     widest = max([b.peak_gib for b in bars] + [b.capacity_gib or 0 for b in bars])
     legend = "GPU memory"
     for row, b in zip(rows, bars):
-        verdict = "" if b.fits is None else ("  fits" if b.fits else "  OOM")
+        verdict = "" if b.verdict is None else f"  {b.verdict}"
         axes.text(b.peak_gib + 0.01 * widest, row, f"{b.peak_gib:.1f} GiB{verdict}", va="center", fontsize=8,
                   bbox={"facecolor": "white", "edgecolor": "none", "pad": 1}, zorder=3)
         if b.capacity_gib is not None:  # each config's own GPU: a mark across its bar
@@ -114,7 +116,7 @@ def plot(estimates: list[Estimate], path) -> Path:
     axes.invert_yaxis()  # the first config on top, as in the table
     axes.set_xlim(0, 1.15 * widest)
     axes.set_xlabel("GiB per GPU (2^30 bytes), pipeline rank with the largest peak")
-    axes.set_title("megatron-fp4 estimate: peak memory per GPU by part", fontsize=10)
+    axes.set_title("megatron-fp4 estimate: device-level peak memory per GPU by part", fontsize=10)
     figure.legend(loc="outside lower center", ncols=len(PARTS) + 1, fontsize=8)
     axes.grid(axis="x", alpha=0.3)
     path = Path(path)

@@ -9,7 +9,7 @@
   keep their three activations in BF16, as megatron_fp4/experts/function.py does). That is the
   FP8 baseline of configs/deepseek_v3_671b/fp8.yaml.
 - fp4: `moe_fp4_dispatch: true`. Two memory models:
-  - "recipe" (arXiv 2603.02731, DESIGN §7): the paper's whole recipe, whatever else the config
+  - "recipe" (arXiv 2603.02731, docs/design.md §7): the paper's whole recipe, whatever else the config
     sets: the routed tokens dispatched in MXFP4, our FP8 experts fed from the payload (their three
     activations in MXFP4), our FP8 linears with every saved input and the dense-MLP / shared-expert
     SwiGLU inputs in MXFP4 (`moe_fp4_storage: all`), FP8 weight copies cached for the step, and
@@ -66,6 +66,9 @@ class Precision:
     # (Transformer Engine keeps both); with --moe-fp4-weights-per-use they quantize W and W^T per
     # use instead, one linear at a time.
     weights_per_use: bool = False
+    # The dispatch carries FP8 1x128 tokens that the experts keep as their input (FP8-Flow-MoE's
+    # dataflow; no flag of Megatron 0.19 or ours: only estimate(..., precision={"fp8_dispatch": True})).
+    fp8_dispatch: bool = False
 
     @property
     def gemm_input_bytes(self) -> float:

@@ -14,12 +14,21 @@ the saved activations what each module in `recompute_modules` recomputes in back
   pre-MLP LayerNorm output (itself dropped when layernorm is recomputed too).
 - moe_act: the experts' activation output (fc2 input).
 - shared_experts: the shared expert's internals but its input.
+Two modules of the FP8-Flow-MoE fork (the scope `attn layernorm moe_expert` of its 671B runs),
+which Megatron 0.19's TransformerConfig refuses at start-up; the estimator models them so that
+those runs can be compared (docs/estimator.md):
+- moe_expert: the routed experts alone, checkpointed on their dispatched input: the router, the
+  permutation, the shared experts and the combine keep their tensors; the experts keep only the
+  checkpoint's input (the permuted tokens as dispatched: BF16, FP8 under an FP8 dispatch, the
+  MXFP4 payload under ours) and the routing probabilities.
+- attn: read as the self-attention block recomputed from its input: the layer input (and the
+  input LayerNorm's output unless `layernorm` drops it) stays, nothing else of the attention.
 Full recompute (`recompute_granularity: full`) keeps only each recompute unit's input.
 """
 
 from dataclasses import dataclass
 
-MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "moe_act", "shared_experts")
+MODULES = ("attn", "core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "moe_act", "moe_expert", "shared_experts")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ FP4_MEMORY_ROWS = ("'recipe' = the paper's whole FP4 recipe (FP8 experts and FP8
                    "--moe-fp4-storage all; their FP8 weight copy unless --moe-fp4-weights-per-use; the dispatch "
                    "cache only with --moe-fp4-cache).")
 COLUMNS = ("config", "prec", "fp4 memory", "recompute", "weights", "grads", "optim", "activ", "transient",
-           "peak GiB", "% GPU", "fits", "a2a GB/step")
+           "peak GiB", "device", "GPU GiB", "% GPU", "fits", "a2a GB/step")
 
 
 def display_name(path: str) -> str:
@@ -26,13 +26,14 @@ def display_name(path: str) -> str:
 
 def row(e: Estimate) -> list[str]:
     r = e.peak_rank
-    fits = "-" if e.fits is None else ("fits" if e.fits else "OOM")
+    fits = e.verdict or "-"
     percent = "-" if e.fraction is None else f"{100 * e.fraction:.1f}"
     mode = e.mode if e.precision.name == "fp4" else ""
     return [display_name(e.config), e.precision.name, mode, e.recompute.label(),
             f"{r.static.weights / GIB:.2f}", f"{r.static.grads / GIB:.2f}", f"{r.static.optimizer / GIB:.2f}",
             f"{r.activations / GIB:.2f}", f"{(r.transient + r.static.workspace) / GIB:.2f}",
-            f"{e.peak_gib:.2f}", percent, fits, f"{e.a2a.total / 1e9:.1f}"]
+            f"{e.peak_gib:.2f}", f"{e.device.total / GIB:.2f}", f"{e.device_peak_gib:.2f}", percent, fits,
+            f"{e.a2a.total / 1e9:.1f}"]
 
 
 def table(estimates: list[Estimate]) -> str:
@@ -44,8 +45,11 @@ def table(estimates: list[Estimate]) -> str:
         lines.append("  ".join(cells).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
-    notes = [("GiB = 2^30 bytes, per GPU, on the pipeline rank with the largest peak; a2a GB = 10^9 bytes the "
-              "same GPU sends per step (dispatch + combine, forward + backward, recompute included).")]
+    notes = [("GiB = 2^30 bytes, per GPU, on the pipeline rank with the largest peak; peak = PyTorch's max allocated; "
+              "device = CUDA context + NCCL + DeepEP buffers + the allocator's reserve (assumptions: docs/estimator.md); "
+              "GPU GiB = peak + device, what a GPU monitor shows, which % GPU and fits compare with the GPU ('tight': "
+              "fits only if the allocator gives its reserve back); a2a GB = 10^9 bytes the same GPU sends per step "
+              "(dispatch + combine, forward + backward, recompute included).")]
     if any(e.precision.name == "fp4" for e in estimates):
         notes.append("fp4 memory: " + FP4_MEMORY_ROWS)
     overrides = {k: v for e in estimates for k, v in e.overrides.items()}
@@ -56,9 +60,11 @@ def table(estimates: list[Estimate]) -> str:
 
 def detail(e: Estimate) -> str:
     r = e.peak_rank
+    device = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in e.device.as_dict().items())
     lines = [f"{display_name(e.config)} ({e.precision.name}{', ' + e.mode if e.precision.name == 'fp4' else ''}): "
              f"peak rank {r.rank}, micro-batches held per chunk {r.held}, per-rank peaks GiB "
              + " ".join(f"{x.peak / GIB:.1f}" for x in e.ranks),
+             f"  device-level rows, GiB: {device}",
              "  saved activations by tensor, GiB: one micro-batch of this rank's chunks | held at the peak"]
     for key, value in sorted(r.components.items(), key=lambda kv: -kv[1]):
         if value / GIB >= 0.0005:

@@ -59,7 +59,7 @@ def static_memory(args, counts: ParamCount, p: Precision, dp: int, edp: int, wor
         if args.fp8_param_gather:
             weights -= gemm * p.model_bytes  # the FP8 copies are the parameters
         weights += 2 * gemm * p.fp8_weight_bytes
-    if not p.weights_per_use:  # W of our experts and linears (megatron_fp4/experts/weight_cache.py)
+    if not p.weights_per_use:  # W of our experts and linears (megatron_fp4/fp8/weight_cache.py)
         if p.fp8_experts:
             weights += counts.expert_gemm * FP8_128X128_BYTES
         weights += counts.fp8_linear_padded * FP8_128X128_BYTES  # the FP8 roles' (none: 0)

@@ -1,7 +1,7 @@
-"""FP8 experts fed by the MXFP4 dispatch: module, autograd function, GEMMs."""
+"""FP8 experts fed by the MXFP4 dispatch: the module and its autograd function (the GEMMs, weight
+cache and segments they share with the FP8 linears are in megatron_fp4.fp8)."""
 
 from .function import ExpertGemms, ExpertsCall, FP8ExpertsFunction
 from .module import FP8Experts
-from .segments import ExpertSegments
 
-__all__ = ["ExpertGemms", "ExpertSegments", "ExpertsCall", "FP8Experts", "FP8ExpertsFunction"]
+__all__ = ["ExpertGemms", "ExpertsCall", "FP8Experts", "FP8ExpertsFunction"]

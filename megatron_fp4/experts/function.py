@@ -1,15 +1,15 @@
 """The experts' forward and backward as one autograd function over all local experts.
 
 Every GEMM is one grouped FP8 launch over all local experts' ragged token segments
-(kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (ExpertGemms). Forward:
-fc1 = X W1^T (X from the MXFP4 payload by the exact FP4 -> FP8 row conversion, or quantized from
-BF16 for the FP8 baseline), SwiGLU times the probs, fc2 = H W2^T from 1x128 rows of H (the SwiGLU
-kernel writes them, and the copies of its input and output that backward reads). Weights are
-in 128x128 blocks, quantized once per optimizer step (weight_cache.py; backward quantizes W^T for
-its data gradient). Saved for backward: with a payload, the payload itself and MXFP4 copies of the
-SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one (the
-FP8 baseline), what its weight gradients read, as Transformer Engine's FP8 layers keep it: the fc1
-and fc2 inputs as FP8 columns (built in forward instead of backward: the same values), and the
+(kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (ExpertGemms, fp8/gemm.py).
+Forward: fc1 = X W1^T (X from the MXFP4 payload by the exact FP4 -> FP8 row conversion, or quantized
+from BF16 for the FP8 baseline), SwiGLU times the probs, fc2 = H W2^T from 1x128 rows of H (the
+SwiGLU kernel writes them, and the copies of its input and output that backward reads). Weights are
+in 128x128 blocks, quantized once per optimizer step (fp8/weight_cache.py; backward quantizes W^T
+for its data gradient). Saved for backward: with a payload, the payload itself and MXFP4 copies of
+the SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in BF16); without one
+(the FP8 baseline), what its weight gradients read, as Transformer Engine's FP8 layers keep it: the
+fc1 and fc2 inputs as FP8 columns (built in forward instead of backward: the same values), and the
 SwiGLU input in BF16. Inside Megatron's recompute, and under --moe-fp4-storage none, the payload is
 still kept (its values are exact) but the SwiGLU and fc2 inputs are kept as in the baseline: nothing
 inexact is stored in FP4 there.
@@ -26,16 +26,13 @@ from typing import Optional
 import torch
 
 from .. import kernels as K
-from ..kernels.grouped_fp8_gemm import (DATA_GRADIENT_TILES, DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES,
-                                        WARP_SPECIALIZED_ROWS, GemmTiles)
+from ..fp8 import FP8WeightCache, TokenSegments, fp8_weights, segment_products, segment_wgrad
+from ..kernels import GemmBackend
+from ..kernels.swiglu import swiglu_with_probs_backward
+from ..kernels.swiglu_forward import SwiGLUOutputs, swiglu_quantized
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..telemetry import Telemetry
 from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
-from .gemm import per_expert_products, per_expert_wgrad
-from .segments import ExpertSegments
-from .weight_cache import FP8WeightCache, fp8_weights
-from .swiglu import swiglu_with_probs_backward
-from .swiglu_forward import SwiGLUOutputs, swiglu_quantized
 
 
 class ExpertGemms(Enum):
@@ -43,26 +40,25 @@ class ExpertGemms(Enum):
 
     # One launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py): the CUDA C++ kernels on
     # SM90 GPUs for the forward GEMMs and weight gradients, the Triton kernels for the data gradients
-    # (faster there: grouped_fp8_gemm.DATA_GRADIENT_TILES) and elsewhere (the same bits). Dispatched
-    # MXFP4 tokens are converted to an FP8 copy for the fc1 GEMM.
+    # (faster there: DATA_GRADIENT_BACKEND) and elsewhere (the same bits). Dispatched MXFP4 tokens are
+    # converted to an FP8 copy for the fc1 GEMM.
     GROUPED = "grouped"
-    # GROUPED with the fc1 GEMM reading the dispatched MXFP4 tokens as they are, no FP8 copy
-    # (grouped_gemm_by_weight_from_mxfp4; SM90 GPUs, hidden a multiple of 512 so that TMA can copy the
-    # rows, refused otherwise). The same bits; slower than the copy on H200 so far (docs/kernels.md).
-    # Tokens that arrive in BF16 (no MXFP4 dispatch) have no MXFP4 to read: they are quantized to FP8.
-    GROUPED_FROM_MXFP4 = "grouped_from_mxfp4"
     GROUPED_TRITON = "grouped_triton"  # GROUPED on the Triton kernels on every GPU
-    # GROUPED_TRITON with the forward and data-gradient GEMMs on the warp-specialized Gluon kernel
-    # (kernels/grouped_fp8_gemm_ws.py; CUDA only, the same bits)
-    GROUPED_WARP_SPECIALIZED = "grouped_warp_specialized"
-    PER_EXPERT = "per_expert"  # one cuBLASLt scaled_mm per expert with tokens, from Python (gemm.py)
+    PER_EXPERT = "per_expert"  # one cuBLASLt scaled_mm per expert with tokens, from Python (fp8/gemm.py)
+
+
+# The experts' data gradients (dY W_e, from W_e^T's blocks) run on the Triton kernel on every GPU: in
+# the H200 sweeps with both kernels (rows in benchmarks/results/grouped_gemm.jsonl) it won fc1's data
+# gradient in all nine at 32 experts (947-1004 TFLOP/s; the CUDA kernel's best 910-919) and eight at
+# 8, and fc2's in six at 32 experts and five at 8 (the CUDA kernel 0-5% ahead where it won).
+DATA_GRADIENT_BACKEND = GemmBackend.TRITON
 
 
 @dataclass(frozen=True)
 class ExpertsCall:
     """What one forward needs besides tensors."""
 
-    segments: ExpertSegments
+    segments: TokenSegments
     scale_rule: str  # MXFP4 rule of the saved activations (the dispatch's own rule)
     glu_offset: float
     accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
@@ -91,13 +87,13 @@ def weight_gradients(params, grad_cols, input_cols, dtype, call: ExpertsCall) ->
 
 
 # The kernels' device-side checks of counts and offsets are off here (check_counts, check_offsets):
-# ExpertSegments.of checks the counts on the host, where it reads them anyway, and builds the offsets
+# TokenSegments.of checks the counts on the host, where it reads them anyway, and builds the offsets
 # from them.
 def _wgrad(call: ExpertsCall, grad_cols, input_cols, dtype, accumulate_into):
     if call.gemms is not ExpertGemms.PER_EXPERT:
         return K.grouped_wgrad(grad_cols, input_cols, dtype, accumulate_into=accumulate_into,
-                               tiles=grouped_tiles(call.gemms, DEFAULT_WGRAD_TILES), check_offsets=False)
-    return per_expert_wgrad(call.segments, grad_cols, input_cols, dtype, accumulate_into)
+                               backend=grouped_backend(call.gemms), check_offsets=False)
+    return segment_wgrad(call.segments, grad_cols, input_cols, dtype, accumulate_into)
 
 
 class FP8ExpertsFunction(torch.autograd.Function):
@@ -110,18 +106,13 @@ class FP8ExpertsFunction(torch.autograd.Function):
         ffn = fc2_weights[0].shape[1]
         dtype = tokens.dtype
 
-        if payload_rows is not None and call.gemms is ExpertGemms.GROUPED_FROM_MXFP4:
-            fc1_out = K.grouped_gemm_by_weight_from_mxfp4(MXFP4Tensor(payload_rows, hidden, call.scale_rule),
-                                                          _fp8_weights(call, "fc1", fc1_weights, False),
-                                                          segments.row_offsets_device, dtype, check_offsets=False)
+        # The input first: the GPU, idle since the dispatcher's host sync, starts on it sooner.
+        if payload_rows is not None:
+            input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
         else:
-            # The input first: the GPU, idle since the dispatcher's host sync, starts on it sooner.
-            if payload_rows is not None:
-                input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
-            else:
-                input_rows = K.quantize_fp8_rows(tokens)
-            fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
-            del input_rows
+            input_rows = K.quantize_fp8_rows(tokens)
+        fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
+        del input_rows
         ctx.from_payload = payload_rows is not None
         ctx.fp4_activations = ctx.from_payload and call.fp4_activations
         # Row-wise, all experts at once; with the copies backward will read (see _saved_activations).
@@ -172,7 +163,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
             activations[:3], activations[3:])
         if ctx.fp4_activations:
             # Dequantized first: a SwiGLU backward decoding MXFP4 itself ran slower (0.36 against 0.31 ms
-            # for fc1_out 32768 x 4096 on an H200, bench_kernels rows of 58cd49d).
+            # for fc1_out 32768 x 4096 on an H200, bench_kernels' rows).
             fc1_out = K.dequantize_mxfp4(mxfp4(saved_acts[0], 2 * ffn))
             fc2_in_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_acts[1], ffn), counts, check_counts=False)
         else:
@@ -225,22 +216,18 @@ def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype,
     """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks); a data
     gradient when X is the output gradient and W_e^T the weights."""
     if call.gemms is ExpertGemms.PER_EXPERT:
-        return per_expert_products(call.segments, rows, weights, dtype)
-    tiles = grouped_tiles(call.gemms, DEFAULT_ROWS_TILES, WARP_SPECIALIZED_ROWS, data_gradient)
-    return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype, tiles=tiles,
-                                    check_offsets=False)
+        return segment_products(call.segments, rows, weights, dtype)
+    return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype,
+                                    backend=grouped_backend(call.gemms, data_gradient), check_offsets=False)
 
 
-def grouped_tiles(gemms: ExpertGemms, triton_tiles: GemmTiles, warp_specialized: Optional[GemmTiles] = None,
-                  data_gradient: bool = False) -> Optional[GemmTiles]:
-    """A grouped GEMM's tiles under `gemms`: for GROUPED and GROUPED_FROM_MXFP4, DATA_GRADIENT_TILES for a
-    data gradient, else None (the kernel's default_tiles: the CUDA kernels on SM90); the Gluon kernel's
-    where the GEMM has one under GROUPED_WARP_SPECIALIZED; else the Triton kernel's."""
-    if gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FROM_MXFP4):
-        return DATA_GRADIENT_TILES if data_gradient else None
-    if gemms is ExpertGemms.GROUPED_WARP_SPECIALIZED and warp_specialized is not None:
-        return warp_specialized
-    return triton_tiles
+def grouped_backend(gemms: ExpertGemms, data_gradient: bool = False) -> Optional[GemmBackend]:
+    """The backend of a grouped GEMM under `gemms` (at its default tiles): GROUPED leaves the forward
+    GEMMs and weight gradients to the kernels' default (None: the CUDA kernels on SM90) and runs data
+    gradients on DATA_GRADIENT_BACKEND; GROUPED_TRITON runs all on the Triton kernels."""
+    if gemms is ExpertGemms.GROUPED_TRITON:
+        return GemmBackend.TRITON
+    return DATA_GRADIENT_BACKEND if data_gradient else None
 
 
 def _linear_backward(call: ExpertsCall, name: str, grad: torch.Tensor, input_cols, weights, wgrads):

@@ -14,13 +14,12 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from .checkpoint_format import check_optimizer_checkpoint_format
+from ..fp8 import FP8WeightCache, TokenSegments
 from ..options import ExpertsPrecision, FP4Options, ModelSettings, Route, Storage, validate
 from ..recompute_scope import recomputed_by
 from ..telemetry import Telemetry
 from ..tensors import MXFP4Tensor
 from .function import ExpertGemms, ExpertsCall, FP8ExpertsFunction
-from .segments import ExpertSegments
-from .weight_cache import FP8WeightCache
 
 
 class FP8Experts(SequentialMLP):
@@ -68,7 +67,7 @@ class FP8Experts(SequentialMLP):
         tokens = permuted_local_hidden_states
         if payload is not None and payload.shape != tokens.shape:
             raise ValueError(f"FP8Experts: payload {payload.shape} does not match the tokens {tuple(tokens.shape)}")
-        segments = ExpertSegments.of(tokens_per_expert, tokens.device)
+        segments = TokenSegments.of(tokens_per_expert, tokens.device)
         if segments.num_tokens != tokens.shape[0] or len(segments.counts) != self.num_local_experts:
             raise ValueError(f"FP8Experts: tokens_per_expert {segments.counts} does not describe "
                              f"{tokens.shape[0]} tokens over {self.num_local_experts} experts")

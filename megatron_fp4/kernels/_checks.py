@@ -120,7 +120,7 @@ def check_segment_offsets(name: str, argument: str, offsets, entries: int, devic
     device-side assert that stops every launch after it (the kernel that would have read the offsets
     among them) and surfaces as a CUDA error at the next synchronization. A caller whose offsets are
     right by construction (built on the host from counts it checked there, as
-    experts.segments.ExpertSegments builds them) may pass on_device=False and save a few small launches."""
+    fp8.segments.TokenSegments builds them) may pass on_device=False and save a few small launches."""
     for what, tensor in ((argument, offsets),) + ((same_as,) if same_as is not None else ()):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: {what} must be a tensor, got {type(tensor).__name__}")

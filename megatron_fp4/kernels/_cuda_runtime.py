@@ -33,8 +33,8 @@ def _find_library(patterns: Sequence[str]) -> str:
             if found:
                 return found[-1]
     raise RuntimeError(f"no CUDA library matching {list(patterns)} in {folders}: install torch's CUDA build "
-                       "(it brings NVRTC) or set CUDA_HOME, or run the grouped GEMMs' Triton kernels (GemmTiles "
-                       "without cuda_sm90; ExpertGemms.GROUPED_TRITON for the experts)")
+                       "(it brings NVRTC) or set CUDA_HOME, or run the grouped GEMMs' Triton kernels "
+                       "(GemmBackend.TRITON; ExpertGemms.GROUPED_TRITON for the experts)")
 
 
 @lru_cache(maxsize=None)

@@ -1,7 +1,5 @@
-"""The order in which the grouped GEMMs' programs take output tiles, and the expert of a row tile.
-The Triton kernels and the Gluon one call these same functions: Gluon can call a @triton.jit
-function that creates no tensor itself (a Gluon tensor needs a layout), so the expert ids come from
-the caller."""
+"""The order in which the grouped GEMMs' Triton programs take output tiles, and the expert of a row
+tile (the expert ids come from the caller)."""
 
 import triton
 import triton.language as tl

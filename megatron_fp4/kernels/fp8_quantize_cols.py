@@ -29,11 +29,11 @@ from ._transposed_tiles import load_slice, quad_columns, store_column_words
 # least two quads of a slice (block_rows / 4 x block_cols >= 2 x threads), so loads stay 16-byte
 # vectors. Fully unrolled, the two-pass candidates issue 17-19 SASS instructions per element
 # against 24 for one pass (whose 128-row reductions take more shuffles), but rely on the re-read
-# hitting L2. The sweep's candidates (benchmarks/bench_quantizers.py); the default (first) was the
-# fastest on H200 at 16384 x 7168, 32 ragged experts (commit 73eb394: 67.2% of the copy; 32x32 on
-# 4 warps 63.8%, 16x64 on 4 warps 22.5%, one pass (kept as the reference) 45.8%; earlier, 64x32 and
-# 32x64 on 8 warps 53.2% and 48.7%, dropped; at commit 60c06af the default again 67.2%, and 64x8 on 2
-# warps 63.3%, 64x16 on 4 64.2%, 32x8 on 1 61.0%, 16x32 on 2 23.0%, 64x32 on 8 52.9%, dropped).
+# hitting L2. The sweep's candidates (benchmarks/bench_quantizers.py, its rows); the default (first)
+# was the fastest on H200 at 16384 x 7168, 32 ragged experts, in two sweeps (67.2% of the copy; 32x32
+# on 4 warps 63.8%, 16x64 on 4 warps 22.5%, one pass (kept as the reference) 45.8%; 64x32 and 32x64
+# on 8 warps 53.2% and 48.7%, 64x8 on 2 warps 63.3%, 64x16 on 4 64.2%, 32x8 on 1 61.0%, 16x32 on 2
+# 23.0%, dropped).
 CONFIGS = (
     TileConfig(block_rows=32, block_cols=16, num_warps=2),
     TileConfig(block_rows=32, block_cols=32, num_warps=4),

@@ -3,7 +3,7 @@ transposed on the way out (the expert GEMMs' weight operand: W for fprop, W^T fo
 
 One program per block: the scale rule is the row quantizer's (smallest power of two with
 amax / scale <= 448, never below 2^-126) over all 16384 elements; a block holding NaN / Inf gets a
-NaN scale and NaN data. The FP8 experts call it once per optimizer step (experts/weight_cache.py).
+NaN scale and NaN data. The FP8 experts call it once per optimizer step (fp8/weight_cache.py).
 
 All the experts' weights of one linear layer go in one launch (a third grid axis): they are
 separate parameters, so the kernel reads each one through a table of their addresses. One launch

@@ -1,7 +1,7 @@
 """W^T from W in FP8 128x128 blocks, without re-quantizing: each block of W^T is a block of W
 transposed with the same scale (a block's amax, and so its scale and every rounded value, do not
 depend on the block's orientation), so the data gradient's operand comes from the experts' cached
-forward weights (experts/weight_cache.py) by moving bytes: one FP8 read and write per element
+forward weights (fp8/weight_cache.py) by moving bytes: one FP8 read and write per element
 instead of a BF16 read, a quantization and an FP8 write.
 
 One program per 128x128 block: it loads the block's rows and stores them as the columns of the

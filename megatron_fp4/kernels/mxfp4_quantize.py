@@ -1,4 +1,4 @@
-"""BF16 / FP16 / FP32 rows -> MXFP4 wire rows (DESIGN §3), one pass.
+"""BF16 / FP16 / FP32 rows -> MXFP4 wire rows (docs/design.md §2.3), one pass.
 
 Each program takes a [BLOCK_ROWS, BLOCK_COLS, 16] tile of element pairs: BLOCK_COLS MXFP4 blocks
 of 32 elements per row, loaded as 16 integers so that unpacking needs no shuffles and the packed

@@ -1,4 +1,4 @@
-"""MXFP4 -> FP8 1x128, in the integer domain (DESIGN §4): no BF16 or FP32 copy in memory.
+"""MXFP4 -> FP8 1x128, in the integer domain (docs/design.md §3): no BF16 or FP32 copy in memory.
 
 Rows (the fprop operand): per token and 128-column group with scale bytes e0..e3, S = max(e_i),
 each element becomes E2M1 * 2^(e_i - S + 6) in E4M3 and the group's scale is 2^(S - 133).

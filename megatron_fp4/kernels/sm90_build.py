@@ -13,19 +13,17 @@ from typing import List
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
 from . import (fp8_dequantize, fp8_quantize, fp8_quantize_cols, fp8_quantize_weight, fp8_transpose_weight,
-               grouped_fp8_gemm, grouped_fp8_gemm_ws, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8, row_sums)
-from ..experts import swiglu, swiglu_forward
+               grouped_gemm_triton, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8, row_sums, swiglu, swiglu_forward)
 from ._sm90_spec import BuildVariant, KernelSpec
 
 SM90 = GPUTarget("cuda", 90, 32)
 
 # Every module with a Triton kernel; each declares its kernels' signatures in sm90_specs(variant).
 KERNEL_MODULES = (mxfp4_quantize, mxfp4_dequantize, mxfp4_to_fp8, fp8_quantize, fp8_quantize_cols,
-                  fp8_quantize_weight, fp8_transpose_weight, swiglu, swiglu_forward, fp8_dequantize, grouped_fp8_gemm,
-                  grouped_fp8_gemm_ws, row_sums)
+                  fp8_quantize_weight, fp8_transpose_weight, swiglu, swiglu_forward, fp8_dequantize, grouped_gemm_triton,
+                  row_sums)
 
 
 def kernel_specs(hidden: int = 7168, ceil_rule: bool = True, input_kind: int = 0) -> List[KernelSpec]:
@@ -67,8 +65,7 @@ def compile_sm90(spec: KernelSpec):
         for i, name in enumerate(params)
         if name in spec.signature and (spec.signature[name].startswith("*") or name.endswith("stride"))
     }
-    source_type = GluonASTSource if isinstance(spec.fn, GluonJITFunction) else ASTSource
-    source = source_type(fn=spec.fn, signature=signature, constexprs=spec.constexprs, attrs=attrs)
+    source = ASTSource(fn=spec.fn, signature=signature, constexprs=spec.constexprs, attrs=attrs)
     return triton.compile(source, target=SM90, options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
 
 

@@ -40,7 +40,7 @@ def samples_sha256(dataset) -> str:
 
 
 def validation_identity_line(dataset) -> str:
-    """The log line the convergence harness reads (benchmarks/convergence_log.py)."""
+    """The log line the convergence harness reads (benchmarks/convergence/log.py)."""
     return f"> validation set: {len(dataset)} samples, sha256 {samples_sha256(dataset)}"
 
 

@@ -1,5 +1,5 @@
 """Y = X W^T as FP8 block-scaled GEMMs, forward and backward, with the input kept for the weight
-gradient in FP8 or in MXFP4 (DESIGN §3, §7).
+gradient in FP8 or in MXFP4 (docs/design.md §2, §6.3).
 
 Forward: X in 1x128 rows times W in 128x128 blocks. Saved for backward: only X, quantized along
 tokens, either as the FP8 1x128 columns the weight-gradient GEMM reads (FP8 storage: one byte per
@@ -10,8 +10,8 @@ fused attention's output), are kept as the tensor itself (nothing stored) and qu
 columns in backward. Backward: dX = dY W in FP8
 (dY in 1x128 rows, W^T in 128x128 blocks); dW = dY^T X with both operands 1x128 along tokens.
 
-The GEMMs are the experts' cuBLASLt path (experts/gemm.py) over one segment that holds every
-token, so they run where a dense scaled_mm runs. A weight whose output features are not a multiple
+The GEMMs are the cuBLASLt path the experts also have (fp8/gemm.py) over one segment that holds
+every token, so they run where a dense scaled_mm runs. A weight whose output features are not a multiple
 of 128 (MLA's kv down-projection: 512 + 64) is quantized with zero rows up to the next multiple:
 the extra output columns are computed and dropped, and the gradient gets zero columns there.
 """
@@ -24,10 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels as K
-from ..experts.gemm import per_expert_products, per_expert_wgrad
-from ..experts.segments import ExpertSegments
-from ..experts.weight_cache import FP8WeightCache, fp8_weights
 from ..formats import FP8_BLOCK
+from ..fp8 import FP8WeightCache, TokenSegments, fp8_weights, segment_products, segment_wgrad
 from ..main_grad import added_to_main_grad, fused_main_grads
 from ..options import GradFormat
 from ..tensors import FP8BlockTensor, MXFP4Tensor
@@ -87,8 +85,8 @@ class FP8LinearFunction(torch.autograd.Function):
             raise ValueError(f"FP8 linear: input {tuple(x.shape)} does not match the weight {tuple(weight.shape)}")
         leading = x.shape[:-1]
         x2d = x.reshape(-1, in_features).contiguous()
-        segments = ExpertSegments.of([x2d.shape[0]], x.device)
-        output = per_expert_products(segments, K.quantize_fp8_rows(x2d), _fp8_weight(call, weight, False), x.dtype)
+        segments = TokenSegments.of([x2d.shape[0]], x.device)
+        output = segment_products(segments, K.quantize_fp8_rows(x2d), _fp8_weight(call, weight, False), x.dtype)
         if output.shape[1] != out_features:
             output = output[:, :out_features].contiguous()
         if call.backward_follows:
@@ -114,7 +112,7 @@ class FP8LinearFunction(torch.autograd.Function):
 
         grad_input = grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_input = per_expert_products(segments, K.quantize_fp8_rows(grad2d), _fp8_weight(call, weight, True),
+            grad_input = segment_products(segments, K.quantize_fp8_rows(grad2d), _fp8_weight(call, weight, True),
                                              dtype).view(*grad_output.shape[:-1], ctx.in_features)
         if ctx.needs_input_grad[2]:
             grad_weight = _weight_gradient(call, segments, weight, *_wgrad_operands(ctx, call, segments, grad2d), dtype)
@@ -168,10 +166,10 @@ def _weight_gradient(call: LinearCall, segments, weight, grad_cols, input_cols, 
     """dW [N, K]; with Megatron's fused accumulation added into main_grad (a dummy returned)."""
     main_grads = fused_main_grads([weight], call.accumulate_in_main_grad)
     if main_grads is not None and grad_cols.shape[0] == weight.shape[0]:
-        per_expert_wgrad(segments, grad_cols, input_cols, dtype, accumulate_into=main_grads)
+        segment_wgrad(segments, grad_cols, input_cols, dtype, accumulate_into=main_grads)
         return added_to_main_grad(weight, dtype)
     # Padded output features: the product has extra rows, dropped before the main_grad add.
-    product = per_expert_wgrad(segments, grad_cols, input_cols, dtype)[0, : weight.shape[0]]
+    product = segment_wgrad(segments, grad_cols, input_cols, dtype)[0, : weight.shape[0]]
     return _returned_or_accumulated(call, weight, product, dtype)
 
 

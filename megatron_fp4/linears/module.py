@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from ..experts.weight_cache import FP8WeightCache
 from ..formats import FP8_BLOCK
+from ..fp8 import FP8WeightCache
 from ..options import (RECOMPUTED_BY, FP4Options, GradFormat, LinearRole, ModelSettings, Route, Storage,
                        UnsupportedConfiguration,
                        validate)

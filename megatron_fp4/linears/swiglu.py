@@ -1,16 +1,16 @@
 """SwiGLU that keeps its input (the fc1 output, [tokens, 2F]) in MXFP4 for backward: the paper's
-storage for the dense MLP and the shared experts (DESIGN §7).
+storage for the dense MLP and the shared experts (docs/design.md §6.3).
 
 Megatron's MLP calls it as its activation module (the `activation_func` submodule, which MLP uses
 when the config's use_te_activation_func is set). The arithmetic is the routed experts' SwiGLU
-(experts/swiglu.py) with every routing probability 1: fp32 inside, one rounding at the end; the
+(kernels/swiglu.py) with every routing probability 1: fp32 inside, one rounding at the end; the
 backward sees the MXFP4 values of the input, not the BF16 ones.
 """
 
 import torch
 
 from .. import kernels as K
-from ..experts.swiglu import swiglu_with_probs, swiglu_with_probs_backward
+from ..kernels.swiglu import swiglu_with_probs, swiglu_with_probs_backward
 from ..tensors import MXFP4Tensor
 
 

@@ -1,7 +1,9 @@
-"""benchmarks/bench_convergence.py and its parts: the log parser on Megatron's own lines
-(tests/data/convergence_train_log.txt: lines of a real CPU run of our launcher with a convergence
-config, Megatron 0.19.2), the loss jump and references, the harness end to end with a stand-in
-torchrun that prints that log (rows, curves, the plot), its wall-clock budget and its epoch check."""
+"""benchmarks/convergence (`python -m benchmarks.convergence`) end to end and its log parser: the parser
+on Megatron's own lines (tests/data/convergence_train_log.txt: lines of a real CPU run of our launcher
+with a convergence config, Megatron 0.19.2), the loss jump, `train` with a stand-in torchrun that
+prints that log (rows, curves, the plot), its wall-clock budget and its epoch check, `from-logs` and
+the references from another out dir or from stored rows. Run specs and the choice of references:
+test_convergence_runs.py."""
 
 import contextlib
 import io
@@ -23,8 +25,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of the repository, not of the installed package
 
-from benchmarks import bench_convergence as harness  # noqa: E402
-from benchmarks import convergence_log, convergence_rows, plot_convergence, rows  # noqa: E402
+from benchmarks import rows  # noqa: E402
+from benchmarks.convergence import __main__ as cli  # noqa: E402
+from benchmarks.convergence import harness, plot, runs as specs  # noqa: E402
+from benchmarks.convergence import log as run_log  # noqa: E402
+from benchmarks.convergence import references  # noqa: E402
 
 LOG = ROOT / "tests" / "data" / "convergence_train_log.txt"
 
@@ -35,7 +40,7 @@ def _numbers_after(text, label):
 
 def test_parser_reads_megatrons_lines():
     text = LOG.read_text()
-    run = convergence_log.parse_log(text)
+    run = run_log.parse_log(text)
     iteration_lines = [line for line in text.splitlines() if " iteration " in line and "lm loss:" in line]
     assert len(run.points) == len(iteration_lines) > 1
     assert [p.lm_loss for p in run.points] == _numbers_after(text, "| lm loss:")
@@ -56,66 +61,18 @@ def test_parser_counts_nan_and_skipped_iterations():
     changed = last.replace("number of skipped iterations:   0", "number of skipped iterations:   3").replace(
         "number of nan iterations:   0", "number of nan iterations:   2")
     assert changed != last
-    run = convergence_log.parse_log(text.replace(last, changed))
+    run = run_log.parse_log(text.replace(last, changed))
     assert (run.skipped_iterations, run.nan_iterations) == (3, 2)
 
 
 def test_largest_jump_and_rates():
-    points = [convergence_log.Point(i, loss, ms) for i, loss, ms in
+    points = [run_log.Point(i, loss, ms) for i, loss, ms in
               ((10, 5.0, 900.0), (20, 4.0, 100.0), (30, 4.5, 100.0), (40, math.nan, 100.0), (50, 3.0, 300.0))]
-    assert convergence_log.largest_jump(points) == (0.5, 30)  # NaN steps are no jump
-    assert convergence_log.largest_jump(points[:2]) == (0.0, 0)
+    assert run_log.largest_jump(points) == (0.5, 30)  # NaN steps are no jump
+    assert run_log.largest_jump(points[:2]) == (0.0, 0)
     # The first interval (start-up) is left out: mean of 100, 100, 100, 300 ms.
-    assert convergence_log.tokens_per_second(points, 1000) == pytest.approx(1000 / 0.15)
-    assert convergence_log.deviation(3.03, 3.0) == pytest.approx(0.01)
-
-
-def test_every_run_of_the_default_list_has_its_bf16_reference():
-    runs = [harness.CATALOGUE[name] for name in harness.DEFAULT_RUNS]
-    refs = harness.references(runs)
-    assert set(refs) == {run.name for run in runs}
-    named = {name: refs[name].name for name in refs}
-    assert named["bf16"] == named["fp8"] == named["fp4"] == named["bf16_repeat"] == named["fp4_dispatch"] == "bf16"
-    assert named["bf16_seed2"] == named["fp8_seed2"] == named["fp4_seed2"] == "bf16_seed2"
-    assert named["bf16_init2"] == "bf16"  # another init, the data order of bf16
-    catalogue = harness.CATALOGUE
-    assert harness.role(catalogue["bf16"], catalogue["bf16"]) == "reference"
-    assert harness.role(catalogue["bf16_repeat"], catalogue["bf16"]).startswith("noise: repeat")
-    assert harness.role(catalogue["bf16_init2"], catalogue["bf16"]).startswith("noise: init")
-    assert harness.role(catalogue["fp4"], catalogue["bf16"]) == "compared"
-    # A run whose data order no plain BF16 run shares has no reference.
-    assert "fp4" not in harness.references([catalogue["fp4"], catalogue["bf16_seed2"]])
-
-
-def test_a_larger_proxy_is_compared_with_its_own_bf16_config():
-    """configs/convergence/h512/ is another model: its runs take h512/bf16.yaml of their seed as the
-    reference, never the small proxy's bf16.yaml, and the rows name the config by its folder."""
-    small, large = harness.parse_run_spec("bf16 bf16 1234"), harness.parse_run_spec("bf16_h512 h512/bf16 1234")
-    fp4_large, fp8_large = harness.parse_run_spec("fp4_h512 h512/fp4 1234"), harness.parse_run_spec("x h512/fp8 5678")
-    assert (large.config_name, large.reference_config, large.is_plain_reference) == ("h512/bf16.yaml", "h512/bf16.yaml", True)
-    assert (fp4_large.config_name, fp4_large.reference_config) == ("h512/fp4.yaml", "h512/bf16.yaml")
-    assert small.reference_config == "bf16.yaml" and small.config_path() == ROOT / "configs" / "convergence" / "bf16.yaml"
-    refs = harness.references([small, large, fp4_large, fp8_large])
-    assert {name: run.name for name, run in refs.items()} == {"bf16": "bf16", "bf16_h512": "bf16_h512", "fp4_h512": "bf16_h512"}
-    assert harness.role(fp4_large, large) == "compared" and harness.role(large, large) == "reference"
-    assert "fp4_h512" not in harness.references([small, fp4_large])
-    from megatron_fp4.run_config import load_config
-
-    large_configs = sorted((ROOT / "configs" / "convergence" / "h512").glob("*.yaml"))
-    assert {"bf16.yaml", "fp8.yaml", "fp4.yaml", "size.yaml"} <= {path.name for path in large_configs}
-    for path in large_configs:  # each is the config of its name in the folder above at the larger size
-        if path.name != "size.yaml":
-            flags = load_config(path).flags
-            assert (flags["hidden_size"], flags["moe_ffn_hidden_size"]) == (512, 256)
-            assert flags == {**load_config(path.parents[1] / path.name).flags, **flags}
-
-
-def test_run_specs():
-    run = harness.parse_run_spec("mine fp4 7 data_seed=1234 --lr 2e-3")
-    assert (run.name, run.config, run.seed, run.data_seed, run.flags) == ("mine", "fp4", 7, 1234, ("--lr", "2e-3"))
-    assert run.order == 1234 and run.config_path() == ROOT / "configs" / "convergence" / "fp4.yaml"
-    with pytest.raises(ValueError, match="expected 'NAME CONFIG SEED"):
-        harness.parse_run_spec("mine fp4")
+    assert run_log.tokens_per_second(points, 1000) == pytest.approx(1000 / 0.15)
+    assert run_log.deviation(3.03, 3.0) == pytest.approx(0.01)
 
 
 def _small_corpus(root):
@@ -142,7 +99,7 @@ def _stand_ins(monkeypatch, torchrun_code, results):
 
 def _harness(tmp_path, monkeypatch, torchrun_code, *argv):
     _stand_ins(monkeypatch, torchrun_code, tmp_path / "results")
-    return harness.main(["--corpus", str(tmp_path / "corpus" / "text"), "--out-dir", str(tmp_path / "runs"),
+    return cli.main(["train", "--corpus", str(tmp_path / "corpus" / "text"), "--out-dir", str(tmp_path / "runs"),
                          "--poll-s", "0.5", *argv])
 
 
@@ -168,7 +125,7 @@ def test_the_harness_end_to_end(finished):
     out, root = finished.out, finished.root
     assert finished.status == 0, out[-3000:]
     assert re.search(r"\] bf16 finished \| bf16_repeat finished \| bf16_init2 finished", out)
-    canned = convergence_log.parse_log(LOG.read_text())
+    canned = run_log.parse_log(LOG.read_text())
     results = [json.loads(line) for line in (root / "results" / "convergence.jsonl").read_text().splitlines()]
     curves = [json.loads(line) for line in (root / "results" / "convergence_curves.jsonl").read_text().splitlines()]
     for row in results + curves:
@@ -209,14 +166,14 @@ def test_the_plot_from_rows(tmp_path):
     curve_rows = [rows.make_row("convergence_curves", case, "lm loss", loss, "nats/token", "BF16 bf16", ref, info,
                                 "closer_to_1", iteration=i)
                   for i, ref in ((10, 5.0), (20, 4.0), (30, 3.5)) for case, loss in (("bf16", ref), ("fp4", ref * 1.01))]
-    final = rows.make_row("convergence", "fp4", plot_convergence.FINAL_METRIC, 3.03, "nats/token", "BF16 bf16", 3.0,
+    final = rows.make_row("convergence", "fp4", references.FINAL_LOSS, 3.03, "nats/token", "BF16 bf16", 3.0,
                           info, "closer_to_1")
-    assert plot_convergence.final_deviations([final]) == {"fp4": pytest.approx(1.0)}
+    assert plot.final_deviations([final]) == {"fp4": pytest.approx(1.0)}
     older = dict(curve_rows[0], run="2026-12-01T00:00:00Z", case="old")
-    assert {r["case"] for r in plot_convergence.rows_of_run(curve_rows + [older], None)} == {"bf16", "fp4"}
+    assert {r["case"] for r in plot.rows_of_run(curve_rows + [older], None)} == {"bf16", "fp4"}
     (tmp_path / "convergence_curves.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve_rows + [older]))
     (tmp_path / "convergence.jsonl").write_text(json.dumps(final) + "\n")
-    assert plot_convergence.main(["--results", str(tmp_path), "--out", str(tmp_path / "p.png")]) == 0
+    assert cli.main(["plot", "--results", str(tmp_path), "--out", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -260,7 +217,7 @@ def test_sigterm_stops_the_runs_and_writes_their_rows(tmp_path, monkeypatch, sma
                       "bf16_init2": "stopped by SIGTERM"}
     finals = [r for r in results if r["metric"] == "final validation loss (whole split)"]
     assert [r["case"] for r in finals] == ["bf16"]
-    canned = convergence_log.parse_log(LOG.read_text())
+    canned = run_log.parse_log(LOG.read_text())
     assert {r["case"]: r["value"] for r in results if r["metric"] == "iterations completed"} == {
         "bf16": canned.last_iteration, "bf16_init2": canned.last_iteration}
     assert {r["case"] for r in curves} == {"bf16", "bf16_init2"}
@@ -274,7 +231,7 @@ def test_from_logs_writes_the_rows_of_a_normal_finish(tmp_path, monkeypatch, fin
         Path(f"{tmp_path / 'corpus' / 'text'}{suffix}").unlink()
     monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "reread"))
     runs = tmp_path / "runs"
-    assert harness.main(["--from-logs", str(runs)]) == 0  # the runs of its harness.json
+    assert cli.main(["from-logs", str(runs)]) == 0  # the runs of its harness.json
     out = capsys.readouterr().out
     assert f"re-read from {runs}" in out
     (results, curves), (reread, reread_curves) = _rows(tmp_path / "results"), _rows(tmp_path / "reread")
@@ -282,7 +239,7 @@ def test_from_logs_writes_the_rows_of_a_normal_finish(tmp_path, monkeypatch, fin
     assert _without(reread, "status") == _without(results, "status") and reread_curves == curves and curves
     (runs / "corpus.json").unlink()
     with pytest.raises(SystemExit, match="no corpus record for the logs in .*give --corpus"):
-        harness.main(["--from-logs", str(runs)])
+        cli.main(["from-logs", str(runs)])
 
 
 def _logs_dir(root, names, text):
@@ -295,17 +252,17 @@ def _logs_dir(root, names, text):
 @pytest.mark.parametrize("same_validation_set", [True, False])
 def test_reference_from_another_invocation(tmp_path, monkeypatch, capsys, same_validation_set):
     text = LOG.read_text()
-    canned = convergence_log.parse_log(text)
+    canned = run_log.parse_log(text)
     other = text if same_validation_set else text.replace(canned.validation_sha256, "f" * 64)
     ablation = _logs_dir(tmp_path / "call2", ["fp4_dispatch"], text)
     headline = _logs_dir(tmp_path / "call1", ["bf16", "fp8"], other)
-    split = harness.config_numbers(harness.CATALOGUE["fp4_dispatch"])["split"]
+    split = harness.config_numbers(specs.CATALOGUE["fp4_dispatch"])["split"]
     record = {"sha256": "ab" * 32, "tokens": 10 ** 6, "train_split_tokens": {split: 10 ** 6}}
     for root in (ablation, headline):
         (root / "corpus.json").write_text(json.dumps(record))
     monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "results"))
     monkeypatch.setenv("MEGATRON_FP4_COMMIT", "abc1234")
-    assert harness.main(["--from-logs", str(ablation), "--runs", "fp4_dispatch", "--gpu", "NVIDIA H200",
+    assert cli.main(["from-logs", str(ablation), "--runs", "fp4_dispatch", "--gpu", "NVIDIA H200",
                          "--reference-from", str(headline)]) == 0
     out = capsys.readouterr().out
     results = [json.loads(line) for line in (tmp_path / "results" / "convergence.jsonl").read_text().splitlines()]
@@ -329,13 +286,13 @@ def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, finished
     assert finished.status == 0
     shutil.copytree(finished.root, tmp_path, dirs_exist_ok=True)  # the earlier call's corpus and rows
     stored = tmp_path / "results"
-    (earlier, _), canned = _rows(stored), convergence_log.parse_log(LOG.read_text())
+    (earlier, _), canned = _rows(stored), run_log.parse_log(LOG.read_text())
     bf16_final = next(r for r in earlier if r["case"] == "bf16" and r["metric"] == "final validation loss (whole split)")
     # Both runs print the same canned log: make the stored BF16 loss differ, so that the rows show which is which.
     bf16_final["value"] = bf16_final["reference_value"] = bf16_final["value"] + 0.125
     (stored / "convergence.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
     _stand_ins(monkeypatch, PRINT_THE_LOG, tmp_path / "later")
-    assert harness.main(["--corpus", str(tmp_path / "corpus" / "text"), "--out-dir", str(tmp_path / "runs2"),
+    assert cli.main(["train", "--corpus", str(tmp_path / "corpus" / "text"), "--out-dir", str(tmp_path / "runs2"),
                          "--poll-s", "0.5", "--runs", "", "--iters", "6", "--run", "bf16_lr bf16 1234 --lr 2e-3",
                          "--run", "bf16_other_order bf16 1234 data_seed=77 --lr 2e-3",
                          "--reference-rows", str(stored)]) == 0
@@ -349,30 +306,17 @@ def test_reference_rows_of_an_earlier_invocation(tmp_path, monkeypatch, finished
     assert final["reference_value"] == bf16_final["value"] and final["value"] == canned.final_validation_loss
     assert final["same_validation_set"] and rows.row_problems(final) == []
     # The reference's curve (its largest rise, the curve rows) is the BF16 run's logged losses, from its rows.
-    reference = convergence_rows.stored_reference(stored, "bf16.yaml", 1234, 6, canned.validation_sha256, finished.corpus["sha256"])
+    reference = references.stored_reference(stored, "bf16.yaml", 1234, 6, canned.validation_sha256, finished.corpus["sha256"])
     assert [(p.iteration, p.lm_loss) for p in reference.log.points] == [(p.iteration, p.lm_loss) for p in canned.points]
     for order, iters, validation in ((1234, 6, "0" * 64), (1234, 2000, canned.validation_sha256),
                                      (5678, 6, canned.validation_sha256)):
-        assert convergence_rows.stored_reference(stored, "bf16.yaml", order, iters, validation, finished.corpus["sha256"]) is None
+        assert references.stored_reference(stored, "bf16.yaml", order, iters, validation, finished.corpus["sha256"]) is None
     # The larger proxy's runs are compared with its own BF16 config only.
-    assert convergence_rows.stored_reference(stored, "h512/bf16.yaml", 1234, 6, canned.validation_sha256,
+    assert references.stored_reference(stored, "h512/bf16.yaml", 1234, 6, canned.validation_sha256,
                                              finished.corpus["sha256"]) is None
     assert "tokens per second (GPU shared by all runs)" not in {r["metric"] for r in results}
     assert {r["case"] for r in curves} == {"bf16_lr"} and len(curves) == len(canned.points)
-    assert "bf16_other_order: no plain BF16 run (bf16.yaml) of data order 77 and 6 iterations on its validation set in the rows" in out
-
-
-def test_runs_of_ones_own_replace_the_default_set_unless_runs_names_more():
-    """--run alone names every run (a call that meant to train two runs once started the twelve of the
-    default set as well); with --runs both are taken; with neither, the default set."""
-    spec = "fp4_again fp4 3456"
-    alone = harness.parse_args(["--run", spec])
-    assert [run.name for run in alone.selected] == ["fp4_again"]
-    both = harness.parse_args(["--runs", "bf16,fp4", "--run", spec])
-    assert [run.name for run in both.selected] == ["bf16", "fp4", "fp4_again"]
-    assert [run.name for run in harness.parse_args([]).selected] == list(harness.DEFAULT_RUNS)
-    with pytest.raises(SystemExit):
-        harness.parse_args(["--runs", ""])  # nothing to run
+    assert "bf16_other_order: no BF16 run (bf16.yaml) of data order 77 and 6 iterations on its validation set in the rows" in out
 
 
 def test_a_run_on_two_gpus_says_so(tmp_path, monkeypatch, small_corpus, capsys):
@@ -403,3 +347,58 @@ def test_a_run_on_two_gpus_says_so(tmp_path, monkeypatch, small_corpus, capsys):
     assert rates == {"ref"}
     final = [r for r in results if r["case"] == "ep2" and r["metric"].startswith("final validation")]
     assert len(final) == 1 and final[0]["reference_run"] == "ref" and final[0]["role"] == "compared"
+
+
+def _own_configs(root):
+    """Two configs of one's own: bf16.yaml, and a stand-in for an FP8 config (BF16 too: the launcher
+    refuses the FP8 flags without CUDA)."""
+    configs = root / "own"
+    configs.mkdir()
+    bf16 = ROOT / "configs" / "convergence" / "bf16.yaml"
+    (configs / "bf16.yaml").write_text(f"include: {bf16}\n")
+    (configs / "fp8.yaml").write_text(f"include: {bf16}\n")
+    return configs
+
+
+def test_runs_of_ones_own_with_the_same_flags_get_their_comparison_and_plot(tmp_path, monkeypatch, small_corpus,
+                                                                          capsys):
+    """The issue's call, BF16 and a candidate with the same seed and `--split`: every run used to say
+    "no BF16 run of the same data order among the runs: no comparison rows", and the plot step then
+    stopped the call ("no convergence_curves rows to plot")."""
+    configs = _own_configs(tmp_path)
+    status = _harness(tmp_path, monkeypatch, PRINT_THE_LOG, "--iters", "6", "--plot", str(tmp_path / "own.png"),
+                      "--run", f"bf16 {configs / 'bf16.yaml'} 777 --split 980,20,0",
+                      "--run", f"fp8 {configs / 'fp8.yaml'} 777 --split 980,20,0")
+    out = capsys.readouterr().out
+    assert status == 0, out[-3000:]
+    assert "no comparison rows" not in out
+    results, curves = _rows(tmp_path / "results")
+    finals = {r["case"]: r for r in results if r["metric"] == "final validation loss (whole split)"}
+    assert {case: (r["reference_run"], r["role"], r["flags"]) for case, r in finals.items()} == {
+        "bf16": ("bf16", "reference", ["--split", "980,20,0"]), "fp8": ("bf16", "compared", ["--split", "980,20,0"])}
+    assert {r["case"] for r in curves} == {"bf16", "fp8"}
+    assert (tmp_path / "own.png").read_bytes()[:4] == b"\x89PNG" and f"wrote {tmp_path / 'own.png'}" in out
+
+
+def test_a_run_without_a_reference_is_still_plotted_and_an_empty_call_says_why(tmp_path, monkeypatch, small_corpus,
+                                                                               capsys):
+    configs = _own_configs(tmp_path)
+    status = _harness(tmp_path, monkeypatch, PRINT_THE_LOG, "--iters", "6", "--plot", str(tmp_path / "alone.png"),
+                      "--run", f"alone {configs / 'fp8.yaml'} 777")
+    out = capsys.readouterr().out
+    assert status == 0, out[-3000:]
+    assert "alone: no BF16 run of its proxy (bf16.yaml) with data order 777 and no flags: no comparison rows" in out
+    assert (tmp_path / "alone.png").read_bytes()[:4] == b"\x89PNG"
+    results = [json.loads(line) for line in (tmp_path / "results" / "convergence.jsonl").read_text().splitlines()]
+    assert [r["metric"] for r in results] == ["iterations completed"]
+    assert not (tmp_path / "results" / "convergence_curves.jsonl").exists()
+    # The same out dir re-read with logs that hold no training loss: no plot, and the reason.
+    (tmp_path / "runs" / "alone" / "train_node0.log").write_text("")
+    assert cli.main(["from-logs", str(tmp_path / "runs"), "--iters", "6", "--plot", str(tmp_path / "none.png")]) == 0
+    out = capsys.readouterr().out
+    assert f"no plot: no run logged a training loss (their logs: {tmp_path / 'runs'}/<run>/train_node0.log)" in out
+    assert not (tmp_path / "none.png").exists()
+    # Stored rows without curves: `plot` says where it looked and what to do instead, in one sentence.
+    with pytest.raises(SystemExit, match=r"no convergence_curves rows in .*: curves are written for runs compared "
+                                         r"with a BF16 run; to plot every run of an out dir from its logs, use"):
+        cli.main(["plot", "--results", str(tmp_path / "results"), "--out", str(tmp_path / "rows.png")])

@@ -1,13 +1,18 @@
-"""benchmarks/convergence_seeds.py on synthetic convergence rows: which rows count, the latest row of a
+"""benchmarks/convergence/seeds.py (`python -m benchmarks.convergence seeds`) on synthetic convergence rows: which rows count, the latest row of a
 seed stands for it, the spread over seeds, and the training deviation from the run's curve."""
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks import convergence_seeds as cs
-from benchmarks.convergence_rows import FINAL_LOSS
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ is a folder of the repository
+
+from benchmarks.convergence import __main__ as cli  # noqa: E402
+from benchmarks.convergence import seeds as cs  # noqa: E402
+from benchmarks.convergence.references import FINAL_LOSS  # noqa: E402
 
 
 def _row(config, seed, ratio, commit, **changes):
@@ -75,21 +80,21 @@ def test_one_seed_has_no_spread_and_a_setting_without_rows_is_refused():
 
 def test_command_prints_the_table(tmp_path, capsys):
     (tmp_path / "convergence.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
-    assert cs.main(["--results", str(tmp_path), "--configs", "fp4.yaml"]) == 0
+    assert cli.main(["seeds", "--results", str(tmp_path), "--configs", "fp4.yaml"]) == 0
     out, err = capsys.readouterr()
     assert "| fp4.yaml | 1: +0.40% (bbb, 2), 2: +0.20% (aaa, 1) | +0.30% | 0.14 | 0.10 |" in out
     assert "training deviations are not known" in err
     assert "| fp4.yaml | 1: - (bbb, 2), 2: - (aaa, 1) | - | - | - |" in out  # no curves file
     curves = _curve("t-bbb", "fp4.yaml-1", [1.0] * 100 + [1.01] * 100)
     (tmp_path / "convergence_curves.jsonl").write_text("".join(json.dumps(point) + "\n" for point in curves))
-    assert cs.main(["--results", str(tmp_path), "--configs", "fp4.yaml"]) == 0
+    assert cli.main(["seeds", "--results", str(tmp_path), "--configs", "fp4.yaml"]) == 0
     assert "| fp4.yaml | 1: +1.00% (bbb, 2), 2: - (aaa, 1) | +1.00% | - | - |" in capsys.readouterr().out
-    assert cs.main(["--results", str(tmp_path), "--configs", "fp4.yaml --moe-fp4-linears-grad bf16"]) == 0
+    assert cli.main(["seeds", "--results", str(tmp_path), "--configs", "fp4.yaml --moe-fp4-linears-grad bf16"]) == 0
     assert "| fp4.yaml --moe-fp4-linears-grad bf16 | 5: +10.00% (ccc, 1) |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="does not exist"):
-        cs.main(["--results", str(tmp_path / "missing")])
+        cli.main(["seeds", "--results", str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="no finished"):
-        cs.main(["--results", str(tmp_path), "--configs", "none.yaml"])
+        cli.main(["seeds", "--results", str(tmp_path), "--configs", "none.yaml"])
 
 
 def _bf16(value, seed=1, **changes):

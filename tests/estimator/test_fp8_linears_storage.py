@@ -1,4 +1,4 @@
-"""The estimator's model of --moe-fp4-linears fp8 and --moe-fp4-storage all (DESIGN §7, issue 17):
+"""The estimator's model of --moe-fp4-linears fp8 and --moe-fp4-storage all (docs/design.md §6.3, §7):
 what our FP8 linears, the dense-MLP / shared-expert SwiGLUs and the FP8 experts keep for backward,
 their FP8 weight copies, the roles --moe-fp4-bf16-linears leaves to Megatron, and the 671B configs'
 fits / OOM pattern. Expected bytes are written out from the shapes, not copied from the estimator."""

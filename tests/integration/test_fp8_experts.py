@@ -276,62 +276,62 @@ def test_per_expert_gemms_match_the_grouped_ones(model_parallel, device):
 
 
 @pytest.mark.gpu
-def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device, monkeypatch):
+def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device):
     """On an SM90 GPU the grouped GEMMs default to the CUDA kernels for the forward GEMMs and weight
-    gradients (the data gradients run on the Triton kernel: DATA_GRADIENT_TILES; the kernel tests
-    compare the CUDA kernel on those shapes), and ExpertGemms.GROUPED_FROM_MXFP4
-    has fc1 read the dispatched MXFP4 rows itself (hidden 512: rows of 272 bytes, which TMA can copy):
-    the layer's output, input and probs gradients and weight gradients equal those of the Triton
-    kernels (ExpertGemms.GROUPED_TRITON) bit for bit. Hidden 256 (8 scale bytes a row) is refused."""
-    from megatron_fp4 import kernels as K
+    gradients (the data gradients run on the Triton kernel: DATA_GRADIENT_BACKEND; the kernel tests
+    compare the CUDA kernel on those shapes): the layer's output, input and probs gradients and weight
+    gradients equal those of the Triton kernels (ExpertGemms.GROUPED_TRITON) bit for bit."""
     from megatron_fp4.experts import ExpertGemms
 
-    hidden = 512
-    payload, probs, grad = _inputs(device, hidden=hidden)
+    payload, probs, grad = _inputs(device, hidden=512)
     received = ref.dequantize_mxfp4(payload)
     layers = {}
-    for gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FROM_MXFP4, ExpertGemms.GROUPED_TRITON):
-        layers[gemms] = _build(model_parallel, device, hidden_size=hidden)
+    for gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_TRITON):
+        layers[gemms] = _build(model_parallel, device, hidden_size=512)
         layers[gemms].gemms = gemms
-    reads = []
-    real = K.grouped_gemm_by_weight_from_mxfp4
-    monkeypatch.setattr(K, "grouped_gemm_by_weight_from_mxfp4", lambda *a, **k: reads.append(1) or real(*a, **k))
     expected = _run(layers[ExpertGemms.GROUPED_TRITON], received, probs, grad, payload)
-    for gemms in (ExpertGemms.GROUPED, ExpertGemms.GROUPED_FROM_MXFP4):
-        reads.clear()
-        result = _run(layers[gemms], received, probs, grad, payload)
-        assert len(reads) == (gemms is ExpertGemms.GROUPED_FROM_MXFP4)
-        for name, a, b in [("output", result[0], expected[0]), ("input grad", result[1], expected[1]),
-                           ("probs grad", result[2], expected[2])]:
-            assert torch.equal(a, b), (gemms, name)
-        for e in range(len(COUNTS)):
-            for fc in ("linear_fc1", "linear_fc2"):
-                ours, theirs = (getattr(m.local_experts[e], fc).weight.grad
-                                for m in (layers[gemms], layers[ExpertGemms.GROUPED_TRITON]))
-                assert torch.equal(ours, theirs), (gemms, e, fc)
-    narrow_payload, narrow_probs, narrow_grad = _inputs(device)
-    narrow = _build(model_parallel, device)
-    narrow.gemms = ExpertGemms.GROUPED_FROM_MXFP4
-    with pytest.raises(ValueError, match="K must be a multiple of 512"):
-        _run(narrow, ref.dequantize_mxfp4(narrow_payload), narrow_probs, narrow_grad, narrow_payload)
+    result = _run(layers[ExpertGemms.GROUPED], received, probs, grad, payload)
+    for name, a, b in [("output", result[0], expected[0]), ("input grad", result[1], expected[1]),
+                       ("probs grad", result[2], expected[2])]:
+        assert torch.equal(a, b), name
+    for e in range(len(COUNTS)):
+        for fc in ("linear_fc1", "linear_fc2"):
+            ours, theirs = (getattr(m.local_experts[e], fc).weight.grad
+                            for m in (layers[ExpertGemms.GROUPED], layers[ExpertGemms.GROUPED_TRITON]))
+            assert torch.equal(ours, theirs), (e, fc)
 
 
-def test_grouped_gemms_put_the_data_gradients_on_their_tiles(model_parallel, device, monkeypatch):
-    """ExpertGemms.GROUPED: the forward GEMMs take the device's default tiles (tiles=None: the CUDA
-    kernels on SM90), the two data gradients DATA_GRADIENT_TILES (the Triton kernel, faster there)."""
+@pytest.mark.parametrize("gemms", ["grouped", "grouped_triton"])
+def test_grouped_gemms_name_their_backend(model_parallel, device, monkeypatch, gemms):
+    """ExpertGemms.GROUPED: the forward GEMMs and weight gradients leave the backend to the kernels'
+    default (None: the CUDA kernels on SM90), the two data gradients run on DATA_GRADIENT_BACKEND (the
+    Triton kernel, faster there); GROUPED_TRITON: every GEMM on the Triton kernels. Tiles are always
+    the backend's defaults."""
     from megatron_fp4 import kernels as K
     from megatron_fp4.experts import ExpertGemms
-    from megatron_fp4.kernels.grouped_fp8_gemm import DATA_GRADIENT_TILES
+    from megatron_fp4.experts.function import DATA_GRADIENT_BACKEND
+    from megatron_fp4.kernels import GemmBackend
 
     payload, probs, grad = _inputs(device)
     layer = _build(model_parallel, device)
     assert layer.gemms is ExpertGemms.GROUPED
-    tiles_asked = []
-    real = K.grouped_gemm_by_weight
-    monkeypatch.setattr(K, "grouped_gemm_by_weight",
-                        lambda *a, tiles=None, **k: tiles_asked.append(tiles) or real(*a, tiles=tiles, **k))
+    layer.gemms = ExpertGemms(gemms)
+    asked = {"rows": [], "wgrad": []}
+    real_rows, real_wgrad = K.grouped_gemm_by_weight, K.grouped_wgrad
+
+    def spy(kind, real):
+        return lambda *a, tiles=None, backend=None, **k: asked[kind].append((tiles, backend)) or real(
+            *a, tiles=tiles, backend=backend, **k)
+
+    monkeypatch.setattr(K, "grouped_gemm_by_weight", spy("rows", real_rows))
+    monkeypatch.setattr(K, "grouped_wgrad", spy("wgrad", real_wgrad))
     _run(layer, ref.dequantize_mxfp4(payload), probs, grad, payload)
-    assert tiles_asked == [None, None, DATA_GRADIENT_TILES, DATA_GRADIENT_TILES]
+    if layer.gemms is ExpertGemms.GROUPED:
+        assert DATA_GRADIENT_BACKEND is GemmBackend.TRITON
+        assert asked["rows"] == [(None, None)] * 2 + [(None, DATA_GRADIENT_BACKEND)] * 2
+        assert asked["wgrad"] == [(None, None)] * 2
+    else:
+        assert asked["rows"] == [(None, GemmBackend.TRITON)] * 4 and asked["wgrad"] == [(None, GemmBackend.TRITON)] * 2
 
 
 def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):
@@ -495,7 +495,7 @@ def test_a_rank_without_tokens(model_parallel, device):
 
 def test_rows_segment_pads_m_to_a_multiple_of_4(device):
     """cuBLASLt refuses M % 4 != 0: segments borrow the next tokens' rows, or zeros at the end."""
-    from megatron_fp4.experts.gemm import rows_segment
+    from megatron_fp4.fp8.gemm import rows_segment
 
     t = ref.quantize_fp8_rows(torch.randn(10, 256, device=device))
     a, scale_a = rows_segment(t, 2, 5)  # 3 rows -> 4: row 5 borrowed
@@ -513,7 +513,7 @@ def test_rows_segment_pads_m_to_a_multiple_of_4(device):
 def test_rows_segments_share_one_scale_buffer_without_overlap(device):
     """All experts' segments at once (one allocation): each segment's scales are its own columns,
     laid out [K/128, M] with strides (1, M), and the last one is padded with a zero row of scale 1."""
-    from megatron_fp4.experts.gemm import rows_segments
+    from megatron_fp4.fp8.gemm import rows_segments
 
     t = ref.quantize_fp8_rows(torch.randn(23, 384, device=device))
     bounds = [(0, 5), (5, 6), (6, 14), (14, 23)]  # M 5, 1, 8, 9 -> 8, 4, 8, 12 (the last runs past the end)
@@ -533,7 +533,7 @@ def test_rows_segments_share_one_scale_buffer_without_overlap(device):
 
 def test_gemm_contract_is_checked_on_every_device(device):
     """The CPU emulation refuses what scaled_mm would: M not a multiple of 4, wrong scale strides."""
-    from megatron_fp4.experts.gemm import gemm_by_weight, rows_segment
+    from megatron_fp4.fp8.gemm import gemm_by_weight, rows_segment
 
     x = ref.quantize_fp8_rows(torch.randn(8, 256, device=device))
     w = ref.quantize_fp8_weight(torch.randn(128, 256, device=device))

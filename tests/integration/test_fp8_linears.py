@@ -21,7 +21,7 @@ from megatron_fp4.linears import (FP8ColumnParallelLinear, FP8LinearFunction, FP
                                   LinearRole, MXFP4SavedSwiGLU, SavedInput, build_fp8_mlp, build_fp8_shared_experts,
                                   linear_spec, saved_input)
 from megatron_fp4.linears.swiglu import MXFP4SavedSwiGLUFunction
-from megatron_fp4.experts.weight_cache import FP8WeightCache
+from megatron_fp4.fp8.weight_cache import FP8WeightCache
 from megatron_fp4.options import FP4Options, GradFormat, UnsupportedConfiguration
 
 from support.linear_reference import fp8_linear_oracle, swiglu_oracle

@@ -25,6 +25,18 @@ def _parse(argv):
     return add_arguments(argparse.ArgumentParser()).parse_args(argv)
 
 
+def test_every_option_has_exactly_one_flag():
+    # FP4Options.from_args reads one attribute per field: a field without a flag would never be set
+    # from the command line, a flag without a field never read.
+    from dataclasses import fields
+
+    from megatron_fp4.options.flags import FLAGS
+
+    flag_fields = [flag.field for flag in FLAGS]
+    assert sorted(flag_fields) == sorted(f.name for f in fields(FP4Options))
+    assert len(set(flag_fields)) == len(flag_fields)
+
+
 def test_flags_default_off_and_parse():
     args = _parse([])
     assert (args.moe_fp4_dispatch, args.moe_fp4_dispatch_grad, args.moe_fp4_scale_rule) == (False, "bf16", "ceil")

@@ -1,11 +1,11 @@
-"""The FP8 weight cache (megatron_fp4/experts/weight_cache.py) on its own: reused while the weights
+"""The FP8 weight cache (megatron_fp4/fp8/weight_cache.py) on its own: reused while the weights
 stay the same, re-quantized after any optimizer step, an in-place write or new storage. It holds W only: the
 layers quantize W^T in each backward (tests/integration/test_fp8_linears.py, test_fp8_experts.py)."""
 
 import torch
 
 from megatron_fp4 import kernels as K
-from megatron_fp4.experts.weight_cache import FP8WeightCache, fp8_weights, optimizer_steps
+from megatron_fp4.fp8.weight_cache import FP8WeightCache, fp8_weights, optimizer_steps
 
 
 def _weights(device, n=2):
@@ -63,3 +63,67 @@ def test_a_gemm_reads_w_from_the_cache_and_w_transposed_quantized_for_it(device)
         return K.quantize_fp8_weights_stacked(ws, transpose)
 
     assert _same(fp8_weights(None, "fc1", weights, False, quantize), held) and made == [False]
+
+
+_HOOK_SCRIPT = """
+import torch
+import torch.nn.functional as F
+from torch.optim import optimizer as torch_optimizer
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+import megatron_fp4
+from megatron_fp4 import experts, fp8, integration, linears  # noqa: F401
+from megatron_fp4.fp8 import weight_cache
+from megatron_fp4.integration.experts_spec import use_fp8_experts
+from megatron_fp4.options import FP4Options
+from support.one_rank import one_rank_parallel_state
+
+hooks = torch_optimizer._global_optimizer_post_hooks
+assert not hooks, f"importing the package registered optimizer hooks: {dict(hooks)}"
+config = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=4, num_moe_experts=2,
+                           moe_router_topk=2, moe_ffn_hidden_size=128, gated_linear_unit=True, activation_func=F.silu,
+                           add_bias_linear=False,
+                           use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+                           gradient_accumulation_fusion=False)
+with one_rank_parallel_state() as pg_collection:
+    for per_use, expected in ((True, 0), (False, 1), (False, 1)):
+        spec = use_fp8_experts(get_gpt_layer_local_spec(num_experts=2), FP4Options(experts="fp8",
+                                                                                  weights_per_use=per_use))
+        spec.submodules.mlp.keywords["submodules"].experts(2, config, pg_collection=pg_collection)
+        assert len(hooks) == expected, (per_use, len(hooks))
+steps = weight_cache.optimizer_steps()
+param = torch.nn.Parameter(torch.zeros(1))
+param.grad = torch.ones(1)
+torch.optim.SGD([param], lr=0.1).step()
+assert weight_cache.optimizer_steps() == steps + 1
+print("ok")
+"""
+
+
+def test_the_step_hook_is_installed_by_building_cached_fp8_modules_not_by_importing():
+    """Importing megatron_fp4 registers no optimizer hook; building FP8 experts through the layer spec
+    with a weight cache installs the step counter once (a second build adds none), without a cache
+    (--moe-fp4-weights-per-use) none. In a process of its own: this one's caches installed it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", _HOOK_SCRIPT], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr[-3000:]
+
+
+def test_count_optimizer_steps_installs_the_hook_once():
+    from torch.optim import optimizer as torch_optimizer
+
+    from megatron_fp4.fp8.weight_cache import count_optimizer_steps
+
+    FP8WeightCache()
+    before = len(torch_optimizer._global_optimizer_post_hooks)
+    count_optimizer_steps()
+    FP8WeightCache()
+    assert len(torch_optimizer._global_optimizer_post_hooks) == before

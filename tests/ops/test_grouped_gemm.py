@@ -1,4 +1,4 @@
-"""The grouped FP8 GEMMs (megatron_fp4.kernels.grouped_fp8_gemm) against a float64 oracle of the
+"""The grouped FP8 GEMMs (megatron_fp4.kernels.grouped_fp8_gemm, both backends) against a float64 oracle of the
 same FP8 operands and against one scaled_mm per expert, on ragged segments: an empty expert, a
 single token, lengths that are not multiples of 4 or of 128, a segment longer than a tile.
 
@@ -18,12 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4 import kernels as K
-from megatron_fp4.kernels import GemmTiles
-from megatron_fp4.kernels.grouped_fp8_gemm import (CUDA_ROWS_TILES, CUDA_TILES, CUDA_WIDE_TILES, DEFAULT_ROWS_TILES,
-                                                   DEFAULT_WGRAD_TILES, WARP_SPECIALIZED_ROWS)
+from megatron_fp4.kernels import GemmBackend, GemmTiles
+from megatron_fp4.kernels.grouped_gemm_sm90 import CUDA_ROWS_TILES, CUDA_TILES, CUDA_WIDE_TILES
+from megatron_fp4.kernels.grouped_gemm_triton import DEFAULT_ROWS_TILES, DEFAULT_WGRAD_TILES
 from megatron_fp4.tensors import COLWISE, FP8BlockTensor
 
+TRITON, CUDA = GemmBackend.TRITON, GemmBackend.CUDA_SM90
+
 COUNTS = [130, 0, 3, 1, 70, 0, 256]  # > a tile, empty, not a multiple of 4, one token, ..., two full tiles
+TILES_NOT_A_BACKEND = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2)
 SMALL_TILES = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=2, row_halves=2)
 TMA_TILES = GemmTiles(block_m=128, block_n=128, num_warps=4, num_stages=2, row_halves=2, tma=True)
 BF16_ROUNDING = 2.0**-8  # half a unit of the 8-bit significand
@@ -82,15 +85,15 @@ def _assert_within(result, exact, magnitude, eps, rounding):
     assert excess.max() <= 0, f"worst excess over the bound {excess.max():.3e}"
 
 
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES, pytest.param(CUDA_TILES, marks=pytest.mark.gpu)],
+@pytest.mark.parametrize("backend,tiles", [(None, None), (TRITON, SMALL_TILES), (TRITON, TMA_TILES),
+                                           pytest.param(CUDA, CUDA_TILES, marks=pytest.mark.gpu)],
                          ids=["default", "two-row-halves", "tma", "cuda_sm90"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_grouped_gemm_matches_the_float64_oracle(device, tiles, out_dtype):
+def test_grouped_gemm_matches_the_float64_oracle(device, backend, tiles, out_dtype):
     k, n = 384, 256  # non-square, three K blocks
     rows = _rows_operand(sum(COUNTS), k, device, seed=1)
     weights = _weights(len(COUNTS), n, k, device, seed=2)
-    kwargs = {} if tiles is None else {"tiles": tiles}
-    y = K.grouped_gemm_by_weight(rows, weights, _offsets(COUNTS, device), out_dtype, **kwargs)
+    y = K.grouped_gemm_by_weight(rows, weights, _offsets(COUNTS, device), out_dtype, tiles=tiles, backend=backend)
     assert y.shape == (sum(COUNTS), n) and y.dtype == out_dtype
     exact, magnitude = _oracle_rows(rows, weights, COUNTS)
     rounding = BF16_ROUNDING if out_dtype == torch.bfloat16 else 2.0**-24
@@ -134,13 +137,13 @@ def _oracle_wgrad(grad_cols, x_cols):
     return torch.stack([p for p, _ in pairs]), torch.stack([m for _, m in pairs])
 
 
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES, TMA_TILES, pytest.param(CUDA_TILES, marks=pytest.mark.gpu)],
+@pytest.mark.parametrize("backend,tiles", [(None, None), (TRITON, SMALL_TILES), (TRITON, TMA_TILES),
+                                           pytest.param(CUDA, CUDA_TILES, marks=pytest.mark.gpu)],
                          ids=["default", "two-row-halves", "tma", "cuda_sm90"])
-def test_grouped_wgrad_matches_the_float64_oracle(device, tiles):
+def test_grouped_wgrad_matches_the_float64_oracle(device, backend, tiles):
     n, k = 256, 384
     grad_cols, x_cols = _cols_operands(COUNTS, n, k, device, seed=6)
-    kwargs = {} if tiles is None else {"tiles": tiles}
-    dw = K.grouped_wgrad(grad_cols, x_cols, **kwargs)
+    dw = K.grouped_wgrad(grad_cols, x_cols, tiles=tiles, backend=backend)
     assert dw.shape == (len(COUNTS), n, k) and dw.dtype == torch.bfloat16
     exact, magnitude = _oracle_wgrad(grad_cols, x_cols)
     tokens = int(grad_cols.segment_offsets[-1])
@@ -172,11 +175,11 @@ def test_tma_and_pointer_loads_give_the_same_bits(device, halves):
     tma = GemmTiles(block_m=64 * halves, block_n=128, num_warps=4, num_stages=2, row_halves=halves, tma=True)
     rows, weights = _rows_operand(sum(COUNTS), 256, device, seed=14), _weights(len(COUNTS), 128, 256, device, seed=15)
     offsets = _offsets(COUNTS, device)
-    assert torch.equal(K.grouped_gemm_by_weight(rows, weights, offsets, tiles=tma),
-                       K.grouped_gemm_by_weight(rows, weights, offsets, tiles=pointer))
+    assert torch.equal(K.grouped_gemm_by_weight(rows, weights, offsets, tiles=tma, backend=TRITON),
+                       K.grouped_gemm_by_weight(rows, weights, offsets, tiles=pointer, backend=TRITON))
     grad_cols, x_cols = _cols_operands(COUNTS, 128, 256, device, seed=16)
-    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=tma),
-                       K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=pointer))
+    assert torch.equal(K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=tma, backend=TRITON),
+                       K.grouped_wgrad(grad_cols, x_cols, torch.float32, tiles=pointer, backend=TRITON))
 
 
 def test_grouped_wgrad_without_tokens(device):
@@ -208,7 +211,13 @@ def test_refusals(device):
     for tma in (False, True):  # both read a matrix whose row stride is its width
         tiles = GemmTiles(block_m=64, block_n=128, num_warps=4, num_stages=2, tma=tma)
         with pytest.raises(ValueError, match="must be contiguous"):
-            K.grouped_wgrad(sliced, sliced, tiles=tiles)
+            K.grouped_wgrad(sliced, sliced, tiles=tiles, backend=TRITON)
+    offsets = _offsets([4, 4], device)
+    for name, gemm in (("grouped_gemm_by_weight", lambda: K.grouped_gemm_by_weight(rows, weights, offsets,
+                                                                                    backend="cuda_sm90")),
+                       ("grouped_wgrad", lambda: K.grouped_wgrad(grad_cols, x_cols, backend=TILES_NOT_A_BACKEND))):
+        with pytest.raises(TypeError, match=f"^{name}: backend must be a GemmBackend, got "):
+            gemm()
 
 
 
@@ -243,21 +252,6 @@ def test_grouped_gemm_matches_per_expert_scaled_mm(experts, k, n):
     assert worst_eps <= EPS_GPU
 
 
-def test_warp_specialized_tiles_are_refused_when_changed_and_under_the_interpreter(device):
-    """Only the Gluon kernel's stages and L2 group may change; it has no interpreter."""
-    rows = _rows_operand(8, 256, device, seed=20)
-    weights = _weights(2, 128, 256, device, seed=21)
-    offsets = _offsets([5, 3], device)
-    for changed in (dict(block_m=64, row_halves=1), dict(num_warps=8), dict(tma=False)):
-        with pytest.raises(ValueError, match="warp-specialized kernel takes"):
-            K.grouped_gemm_by_weight(rows, weights, offsets, tiles=dataclasses.replace(WARP_SPECIALIZED_ROWS, **changed))
-    if device.type == "cpu":
-        with pytest.raises(RuntimeError, match="interpreter cannot run"):
-            K.grouped_gemm_by_weight(rows, weights, offsets, tiles=WARP_SPECIALIZED_ROWS)
-    with pytest.raises(ValueError, match="forward and data gradients only"):
-        K.grouped_wgrad(None, None, tiles=WARP_SPECIALIZED_ROWS)
-
-
 def _rows_with_a_nan_and_a_zero_row(counts, k: int) -> FP8BlockTensor:
     """FP8 rows on the GPU for the bit-equality tests: 2^20 of range, row 5 NaN, row 6 all zeros."""
     x = torch.randn(sum(counts), k) * torch.exp2(torch.randint(-10, 10, (sum(counts), k)).float())
@@ -266,35 +260,15 @@ def _rows_with_a_nan_and_a_zero_row(counts, k: int) -> FP8BlockTensor:
     return K.quantize_fp8_rows(x.bfloat16().cuda())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("experts,k,n", [(8, 7168, 4096), (8, 2048, 7168), (3, 384, 256), (3, 128, 256)],
-                         ids=["fc1", "fc2", "small", "one_k_step"])
-def test_warp_specialized_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype):
-    """The Gluon kernel sums the same products in the same order as the Triton kernel: equal bits,
-    on ragged segments with empty and one-token experts, a NaN row and an all-zero row, at every
-    stage count the sweep tries, and with fewer K steps than its ring of scales."""
-    counts = [700, 0, 1, 3, 129, 2048, 64, 1000][:experts] if experts == 8 else [1, 0, 260]
-    rows = _rows_with_a_nan_and_a_zero_row(counts, k)
-    weights = _weights(experts, n, k, "cuda", seed=23)
-    offsets = _offsets(counts, "cuda")
-    expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=DEFAULT_ROWS_TILES)
-    for stages in (3, 4, 5, 6):
-        ours = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype,
-                                        tiles=dataclasses.replace(WARP_SPECIALIZED_ROWS, num_stages=stages))
-        bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
-        assert torch.equal(ours.view(bits), expected.view(bits)), f"{stages} stages"
-    assert torch.isnan(expected[5]).all() and not torch.isnan(expected[7:]).any()
-
-
 def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
     """The CUDA kernels' tiles are fixed but for their stages, width and row-tile groups, their operands must suit them,
     and they need an SM90 GPU: each refused with its reason, before anything runs."""
     grad_cols, x_cols = _cols_operands([4, 4], 128, 256, device, seed=24)
     rows, weights = _rows_operand(8, 256, device, seed=25), _weights(2, 256, 256, device, seed=26)
     offsets = _offsets([4, 4], device)
-    gemms = {"wgrad": lambda tiles, *dtype: K.grouped_wgrad(grad_cols, x_cols, *dtype, tiles=tiles),
-             "by_weight": lambda tiles, *dtype: K.grouped_gemm_by_weight(rows, weights, offsets, *dtype, tiles=tiles)}
+    gemms = {"wgrad": lambda tiles, *dtype: K.grouped_wgrad(grad_cols, x_cols, *dtype, tiles=tiles, backend=CUDA),
+             "by_weight": lambda tiles, *dtype: K.grouped_gemm_by_weight(rows, weights, offsets, *dtype, tiles=tiles,
+                                                                         backend=CUDA)}
     for gemm in gemms.values():
         for changed in (dict(block_m=64), dict(num_warps=4), dict(row_halves=2), dict(tma=False)):
             with pytest.raises(ValueError, match="CUDA kernel takes"):
@@ -316,33 +290,34 @@ def test_cuda_tiles_are_refused_when_changed_and_off_the_gpu(device):
                 gemm(CUDA_TILES)
     narrow = _weights(2, 384, 256, device, seed=27)  # N = 384: not a multiple of 256
     with pytest.raises(ValueError, match="multiple of block_n 256"):
-        K.grouped_gemm_by_weight(rows, narrow, offsets, tiles=CUDA_WIDE_TILES)
+        K.grouped_gemm_by_weight(rows, narrow, offsets, tiles=CUDA_WIDE_TILES, backend=CUDA)
     misaligned = torch.empty(rows.block_scales.numel() + 1, device=device)[1:].view_as(rows.block_scales)
     unaligned_rows = FP8BlockTensor(rows.data, misaligned.copy_(rows.block_scales))
     with pytest.raises(ValueError, match="contiguous and 16-byte aligned"):
-        K.grouped_gemm_by_weight(unaligned_rows, weights, offsets, tiles=CUDA_TILES)
+        K.grouped_gemm_by_weight(unaligned_rows, weights, offsets, tiles=CUDA_TILES, backend=CUDA)
 
 
 def test_the_cuda_kernels_are_the_default_on_sm90_only(monkeypatch):
-    """default_tiles: the CUDA tiles on compute capability 9.0 (forward and data gradients in groups of 4
-    row tiles, 256 columns wide where N and K are >= 4096 and N a multiple of 256), the Triton tiles on
-    other GPUs and on the CPU."""
+    """default_backend: the CUDA kernels on compute capability 9.0, the Triton kernels on other GPUs and
+    on the CPU; each backend's default tiles: the CUDA forward and data gradients in groups of 4 row
+    tiles, 256 columns wide where N and K are >= 4096 and N a multiple of 256."""
     from megatron_fp4.kernels import grouped_gemm_sm90
-    from megatron_fp4.kernels.grouped_fp8_gemm import default_tiles
+    from megatron_fp4.kernels.grouped_fp8_gemm import default_backend, default_rows_tiles, default_wgrad_tiles
 
     gpu = torch.device("cuda")
     monkeypatch.setattr(grouped_gemm_sm90, "_capability", lambda device: (9, 0))
-    assert default_tiles(gpu, DEFAULT_WGRAD_TILES) == CUDA_TILES
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, (2048, 7168)) == CUDA_ROWS_TILES  # fc2's data gradient
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, (4096, 7168)) == CUDA_WIDE_TILES  # fc1's forward
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, (7168, 2048)) == CUDA_ROWS_TILES  # fc2's forward: K < 4096
-    assert default_tiles(gpu, DEFAULT_ROWS_TILES, (4224, 7168)) == CUDA_ROWS_TILES  # not a multiple of 256
-    assert CUDA_ROWS_TILES.group_m == CUDA_WIDE_TILES.group_m == 4 and CUDA_TILES.group_m == 8
-    assert default_tiles(torch.device("cpu"), DEFAULT_ROWS_TILES, (4096, 7168)) == DEFAULT_ROWS_TILES
+    assert default_backend(gpu) is CUDA and default_backend(torch.device("cpu")) is TRITON
     for other in ((8, 0), (10, 0)):
         monkeypatch.setattr(grouped_gemm_sm90, "_capability", lambda device, c=other: c)
-        assert default_tiles(gpu, DEFAULT_ROWS_TILES, (4096, 7168)) == DEFAULT_ROWS_TILES
-        assert default_tiles(gpu, DEFAULT_WGRAD_TILES) == DEFAULT_WGRAD_TILES
+        assert default_backend(gpu) is TRITON
+    assert default_wgrad_tiles(CUDA) == CUDA_TILES
+    assert default_rows_tiles(CUDA, 2048, 7168) == CUDA_ROWS_TILES  # fc2's data gradient
+    assert default_rows_tiles(CUDA, 4096, 7168) == CUDA_WIDE_TILES  # fc1's forward
+    assert default_rows_tiles(CUDA, 7168, 2048) == CUDA_ROWS_TILES  # fc2's forward: K < 4096
+    assert default_rows_tiles(CUDA, 4224, 7168) == CUDA_ROWS_TILES  # not a multiple of 256
+    assert CUDA_ROWS_TILES.group_m == CUDA_WIDE_TILES.group_m == 4 and CUDA_TILES.group_m == 8
+    assert default_rows_tiles(TRITON, 4096, 7168) == DEFAULT_ROWS_TILES
+    assert default_wgrad_tiles(TRITON) == DEFAULT_WGRAD_TILES
 
 
 def _cuda_tiles(kernel: str, columns: int):
@@ -371,17 +346,17 @@ def test_cuda_wgrad_gives_the_triton_kernels_bits(n, k, counts):
     grad_cols, x_cols = _cols_operands(counts, n, k, "cuda", seed=27, nan_token=0)
     nan_expert = next(e for e, count in enumerate(counts) if count)
     for out_dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
-        expected = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=DEFAULT_WGRAD_TILES).view(bits)
+        expected = K.grouped_wgrad(grad_cols, x_cols, out_dtype, backend=TRITON).view(bits)
         assert torch.isnan(expected.view(out_dtype)[nan_expert, :, 3]).all()
         assert torch.isnan(expected.view(out_dtype)).sum() == n
         for tiles in _cuda_tiles("WGRAD", k):
-            ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=tiles)
+            ours = K.grouped_wgrad(grad_cols, x_cols, out_dtype, tiles=tiles, backend=CUDA)
             assert torch.equal(ours.view(bits), expected), f"{out_dtype}, {tiles}"
     expected = [torch.full((n, k), 0.25, device="cuda") for _ in counts]
-    K.grouped_wgrad(grad_cols, x_cols, accumulate_into=expected, tiles=DEFAULT_WGRAD_TILES)
+    K.grouped_wgrad(grad_cols, x_cols, accumulate_into=expected, backend=TRITON)
     for tiles in _cuda_tiles("WGRAD", k):
         ours = [torch.full((n, k), 0.25, device="cuda") for _ in counts]
-        K.grouped_wgrad(grad_cols, x_cols, accumulate_into=ours, tiles=tiles)
+        K.grouped_wgrad(grad_cols, x_cols, accumulate_into=ours, tiles=tiles, backend=CUDA)
         for e, (mine, theirs) in enumerate(zip(ours, expected)):
             assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32)), f"expert {e}, {tiles}"
 
@@ -401,10 +376,10 @@ def test_cuda_rows_kernel_gives_the_triton_kernels_bits(experts, k, n, out_dtype
     rows = _rows_with_a_nan_and_a_zero_row(counts, k)
     weights = _weights(experts, n, k, "cuda", seed=28)
     offsets = _offsets(counts, "cuda")
-    expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=DEFAULT_ROWS_TILES)
+    expected = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, backend=TRITON)
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
     for tiles in _cuda_tiles("ROWS", n):
-        ours = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=tiles)
+        ours = K.grouped_gemm_by_weight(rows, weights, offsets, out_dtype, tiles=tiles, backend=CUDA)
         assert torch.equal(ours.view(bits), expected.view(bits)), str(tiles)
     assert torch.isnan(expected[5]).all() and not torch.isnan(expected[7:]).any()
 
@@ -426,20 +401,16 @@ ON_THE_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a device-side
 
 @ON_THE_CPU
 @pytest.mark.parametrize("case", BAD_ROW_OFFSETS)
-@pytest.mark.parametrize("kernel", ["triton", "cuda_sm90", "cuda_sm90_from_mxfp4"])
-def test_grouped_gemm_refuses_bad_row_offsets(device, case, kernel):
+@pytest.mark.parametrize("backend", [TRITON, CUDA], ids=["triton", "cuda_sm90"])
+def test_grouped_gemm_refuses_bad_row_offsets(device, case, backend):
     """row_offsets are asserted on the device before any kernel reads them (under the interpreter the
     assert raises at once), for the CUDA kernels' wrappers too, before they ask for a GPU."""
     m = int(torch.randint(40, 100, (1,)))
     offsets = torch.tensor(_bad_row_offsets(m)[case], device=device)
     weights = _weights(3, 128, 512, device, seed=30)
     with pytest.raises(RuntimeError, match="row_offsets must start at 0, never decrease and end at"):
-        if kernel == "cuda_sm90_from_mxfp4":
-            q = K.quantize_mxfp4(torch.randn(m, 512).bfloat16().to(device))
-            K.grouped_gemm_by_weight_from_mxfp4(q, weights, offsets, tiles=CUDA_ROWS_TILES)
-        else:
-            tiles = SMALL_TILES if kernel == "triton" else CUDA_ROWS_TILES
-            K.grouped_gemm_by_weight(_rows_operand(m, 512, device, seed=31), weights, offsets, tiles=tiles)
+        tiles = SMALL_TILES if backend is TRITON else CUDA_ROWS_TILES
+        K.grouped_gemm_by_weight(_rows_operand(m, 512, device, seed=31), weights, offsets, tiles=tiles, backend=backend)
 
 
 def test_grouped_gemm_refuses_row_offsets_of_the_wrong_kind(device):
@@ -493,8 +464,8 @@ def _with_offsets(t: FP8BlockTensor, offsets) -> FP8BlockTensor:
 @ON_THE_CPU
 @pytest.mark.parametrize("case", ["not_whole_blocks", "past_the_capacity", "decreasing", "starts_past_0",
                                   "differ_between_operands"])
-@pytest.mark.parametrize("tiles", [DEFAULT_WGRAD_TILES, CUDA_TILES], ids=["triton", "cuda_sm90"])
-def test_grouped_wgrad_refuses_bad_segment_offsets(device, case, tiles):
+@pytest.mark.parametrize("backend", [TRITON, CUDA], ids=["triton", "cuda_sm90"])
+def test_grouped_wgrad_refuses_bad_segment_offsets(device, case, backend):
     counts = torch.randint(1, 128, (2,)).tolist()  # segments [0, 128, 256]
     grad_cols, x_cols = _cols_operands(counts, 128, 128, device, seed=36)
     capacity = grad_cols.shape[1]
@@ -504,7 +475,7 @@ def test_grouped_wgrad_refuses_bad_segment_offsets(device, case, tiles):
     if case != "differ_between_operands":
         x_cols = _with_offsets(x_cols, bad)
     with pytest.raises(RuntimeError, match="grad_cols.segment_offsets must be multiples of 128, start at 0"):
-        K.grouped_wgrad(grad_cols, x_cols, tiles=tiles)
+        K.grouped_wgrad(grad_cols, x_cols, backend=backend)
 
 
 def test_grouped_wgrad_refuses_segment_offsets_of_the_wrong_kind(device):
@@ -523,21 +494,20 @@ def _strided(scales: torch.Tensor) -> torch.Tensor:
     return strided
 
 
-@pytest.mark.parametrize("kernel", ["triton", "cuda_sm90"])
-def test_grouped_gemms_refuse_strided_block_scales(device, kernel):
+@pytest.mark.parametrize("backend", [TRITON, CUDA], ids=["triton", "cuda_sm90"])
+def test_grouped_gemms_refuse_strided_block_scales(device, backend):
     """The kernels read block scales as contiguous [K / 128, M] (or [capacity / 128, N]): other strides
     are refused in one sentence naming the operand, where they used to give wrong products."""
     counts = torch.randint(1, 60, (2,)).tolist()
     rows, weights = _rows_operand(sum(counts), 256, device, seed=38), _weights(2, 128, 256, device, seed=39)
-    tiles = SMALL_TILES if kernel == "triton" else CUDA_ROWS_TILES
+    tiles = SMALL_TILES if backend is TRITON else CUDA_ROWS_TILES
     with pytest.raises(ValueError, match="rows.block_scales must be contiguous \\(row-major\\), got shape"):
         K.grouped_gemm_by_weight(FP8BlockTensor(rows.data, _strided(rows.block_scales)), weights,
-                                 _offsets(counts, device), tiles=tiles)
+                                 _offsets(counts, device), tiles=tiles, backend=backend)
     grad_cols, x_cols = _cols_operands(counts, 128, 256, device, seed=40)
-    tiles = DEFAULT_WGRAD_TILES if kernel == "triton" else CUDA_TILES
     for name, operands in (("grad_cols", (grad_cols, x_cols)), ("input_cols", (x_cols, grad_cols))):
         strided = FP8BlockTensor(operands[0].data, _strided(operands[0].block_scales), COLWISE,
                                  operands[0].segment_offsets)
         pair = (strided, operands[1]) if name == "grad_cols" else (operands[1], strided)
         with pytest.raises(ValueError, match=f"{name}.block_scales must be contiguous"):
-            K.grouped_wgrad(*pair, tiles=tiles)
+            K.grouped_wgrad(*pair, backend=backend)

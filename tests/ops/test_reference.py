@@ -1,4 +1,4 @@
-"""The reference against the format definitions (DESIGN §3-§4), checked by independent float64
+"""The reference against the format definitions (docs/design.md §2-§3), checked by independent float64
 arithmetic, plus the exhaustive FP4 -> FP8 conversion table."""
 
 import pytest

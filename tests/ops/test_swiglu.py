@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron_fp4.experts import swiglu
-from megatron_fp4.experts.swiglu import swiglu_with_probs_backward, swiglu_with_probs_backward_eager
+from megatron_fp4.kernels import swiglu
+from megatron_fp4.kernels.swiglu import swiglu_with_probs_backward, swiglu_with_probs_backward_eager
 
 
 def _inputs(device, tokens, ffn, seed):
@@ -76,7 +76,7 @@ def test_swiglu_forward_writes_what_the_quantizers_write_of_its_values(device, t
     """One pass writes fc2_in's FP8 rows and the MXFP4 rows of fc2_in and fc1_out: the bytes the row
     and MXFP4 quantizers give on the kernel's own values, which are the definition's (eager fp32) up
     to one BF16 unit where exp rounds differently."""
-    from megatron_fp4.experts.swiglu_forward import swiglu_quantized
+    from megatron_fp4.kernels.swiglu_forward import swiglu_quantized
     from megatron_fp4.kernels import quantize_fp8_rows, quantize_mxfp4
 
     fc1_out, probs = _forward_inputs(device, tokens, ffn, seed=tokens + ffn)
@@ -108,7 +108,7 @@ def swiglu_with_probs_eager_values(fc1_out, probs, offset):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_swiglu_forward_other_dtypes(device, dtype):
-    from megatron_fp4.experts.swiglu_forward import swiglu_quantized
+    from megatron_fp4.kernels.swiglu_forward import swiglu_quantized
     from megatron_fp4.kernels import quantize_fp8_rows
 
     fc1_out, probs = _forward_inputs(device, 11, 256, seed=7, dtype=dtype)
@@ -120,7 +120,7 @@ def test_swiglu_forward_other_dtypes(device, dtype):
 
 
 def test_swiglu_forward_refuses_bad_input(device):
-    from megatron_fp4.experts.swiglu_forward import swiglu_quantized
+    from megatron_fp4.kernels.swiglu_forward import swiglu_quantized
 
     fc1_out, probs = _forward_inputs(device, 4, 128, seed=2)
     with pytest.raises(ValueError, match="multiple of 256"):

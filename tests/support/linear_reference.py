@@ -37,7 +37,7 @@ def _columns(values: torch.Tensor) -> torch.Tensor:
 def fp8_linear_oracle(x: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, mxfp4_saved: bool,
                       scale_rule: str = "ceil") -> LinearResult:
     """Y = X W^T and its gradients for 2-D x [T, K], weight [N, K], grad_output [T, N]. The saved
-    input is x's FP8 columns, or its MXFP4 values (whose FP8 columns are exact, DESIGN §4)."""
+    input is x's FP8 columns, or its MXFP4 values (whose FP8 columns are exact, docs/design.md §3.2)."""
     dtype = x.dtype
     output = (_rows(x) @ _weight(weight).t()).to(dtype)
     grad_input = (_rows(F.pad(grad_output, (0, -grad_output.shape[1] % 128))) @

@@ -1,7 +1,7 @@
 """TEST SUPPORT ONLY: an fp32 emulation of torch.nn.functional.scaled_mm with block scales, so
 that the FP8 experts run on a CPU (CI) exactly as on the GPU up to the multiply-accumulate.
 
-The production GEMM (megatron_fp4.experts.gemm) refuses CPU operands; tests install this
+The production GEMM (megatron_fp4.fp8.gemm) refuses CPU operands; tests install this
 function as its `scaled_mm_off_cuda`: tests/conftest.py for the pytest process, tests/support/cuda_on_cpu.py
 for the processes it spawns. The product is that of the dequantized operands in fp32.
 """
@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.experts import gemm
+from megatron_fp4.fp8 import gemm
 from megatron_fp4.formats import FP8_BLOCK
 
 
