@@ -38,24 +38,23 @@ class MicroBatchKey:
 
 @dataclass
 class CachedDispatch:
-    """What the first pass received: the MXFP4 payload and the splits it was sent with (the
-    recompute recomputes the splits and must find the same). Not the routing probs: the recompute
-    sends its own (see FP4AlltoAllTokenDispatcher.dispatch_fp4)."""
+    """What the first pass received: the MXFP4 payload and the dispatcher's handle of that dispatch
+    (ReceivedTokens.handle; the all-to-all's: the splits it was sent with), which the recompute
+    computes again and must find the same. Not the routing probs: the recompute sends its own (see
+    FP4AlltoAllTokenDispatcher.dispatch_fp4)."""
 
     payload: MXFP4Tensor
-    output_splits: tuple
-    input_splits: tuple
+    handle: object
 
     def nbytes(self) -> int:
         return self.payload.rows.numel() * self.payload.rows.element_size()
 
-    def check(self, output_splits, input_splits, hidden: int) -> None:
-        """Raise unless the recompute routes the same way (splits, width) as the cached pass."""
-        splits = (tuple(output_splits), tuple(input_splits))
-        if (self.output_splits, self.input_splits) != splits or self.payload.hidden != hidden:
+    def check(self, handle, hidden: int) -> None:
+        """Raise unless the recompute routes the same way (handle, width) as the cached pass."""
+        if self.handle != handle or self.payload.hidden != hidden:
             raise DispatchCacheError(
-                f"the cached dispatch does not match the recompute (splits {(self.output_splits, self.input_splits)} "
-                f"vs {splits}, hidden {self.payload.hidden} vs {hidden}): routing changed between the passes"
+                f"the cached dispatch does not match the recompute ({self.handle} vs {handle}, hidden "
+                f"{self.payload.hidden} vs {hidden}): routing changed between the passes"
             )
 
 

@@ -11,8 +11,7 @@ atomics (permute.py), and the plugin layer permutes MXFP4 rows instead of BF16 t
 quantization is per row). Routing, probs, the combine's all-to-all and every host sync are the parent's.
 """
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from megatron.core.tensor_parallel import all_to_all
@@ -25,37 +24,11 @@ from ..kernels import quantize_mxfp4
 from ..options import FP4Options, ModelSettings, Route, validate
 from ..tensors import MXFP4Tensor
 from .all_to_all import fp4_dispatch_all_to_all
+from .alltoall_combine import AlltoAllCombine, AlltoAllSplits, restore_tokens, send_back, unsort_by_source
 from .cache import CachedDispatch
+from .contract import ExpertsInput, QuantizedPermute, ReceivedTokens
 from .permute import LeanPermute, permuted_stand_in
 from .replay import replay_tokens
-
-
-@dataclass(frozen=True)
-class ReceivedTokens:
-    """What one dispatch delivered to this rank, rows in the all-to-all's output order.
-    tokens: the experts' input, the exact BF16 dequantization of payload (or, when the dispatch
-    was asked not to dequantize, a tensor of that shape that only carries the gradient path)."""
-
-    tokens: torch.Tensor
-    payload: MXFP4Tensor
-    output_splits: Tuple[int, ...]
-    input_splits: Tuple[int, ...]
-
-    def cached(self) -> CachedDispatch:
-        """What a recompute needs to replay this dispatch."""
-        return CachedDispatch(self.payload, self.output_splits, self.input_splits)
-
-
-@dataclass(frozen=True)
-class QuantizedPermute:
-    """The permute done on MXFP4 rows (FP4AlltoAllTokenDispatcher.permute_quantized).
-    tokens: [rows, hidden], in the permuted order, only a gradient path (permute.permuted_stand_in);
-    wire: the permuted tokens' MXFP4 rows (None when not asked for: a replayed dispatch sends none);
-    source: [num_tokens, hidden], the layer's tokens, whose quantized rows wire holds."""
-
-    tokens: torch.Tensor
-    wire: Optional[MXFP4Tensor]
-    source: torch.Tensor
 
 
 def _host_splits(splits) -> List[int]:
@@ -131,13 +104,14 @@ class FP4AlltoAllTokenDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
         output_splits, input_splits = self._splits(permutated_local_input_tokens.shape[0])
         options = self.options
+        splits = AlltoAllSplits(tuple(output_splits), tuple(input_splits))
         if replay is None:
             tokens, payload = fp4_dispatch_all_to_all(
                 permutated_local_input_tokens, output_splits, input_splits, group=self.ep_group,
                 scale_rule=options.scale_rule, grad_format=options.dispatch_grad, dequantize=dequantize, quantized=wire,
             )
         else:
-            replay.check(output_splits, input_splits, permutated_local_input_tokens.shape[1])
+            replay.check(splits, permutated_local_input_tokens.shape[1])
             payload = replay.payload
             tokens = replay_tokens(permutated_local_input_tokens, payload, output_splits, input_splits,
                                    self.ep_group, options.dispatch_grad, dequantize=dequantize)
@@ -146,7 +120,31 @@ class FP4AlltoAllTokenDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
         global_probs = all_to_all(
             self.ep_group, permuted_probs, self.output_splits, self.input_splits, use_nccl_stream=self.use_nccl_stream
         )
-        return ReceivedTokens(tokens, payload, tuple(output_splits), tuple(input_splits)), global_probs
+        return ReceivedTokens(tokens, payload, splits), global_probs
+
+    def experts_input(self, received: ReceivedTokens, probs, sort_payload: bool) -> ExpertsInput:
+        """The parent's dispatch_postprocess (its sort by local expert, behind its host syncs), the
+        payload sorted the same way where asked (sort_payload), and the combine's handle, captured
+        now that the parent's counts are on the host."""
+        tokens, tokens_per_expert, probs = self.dispatch_postprocess(received.tokens, probs)
+        payload = self.sort_like_experts(received.payload) if sort_payload else None
+        handle = AlltoAllCombine(
+            hidden_shape=self.hidden_shape, restore_shape=self.hidden_shape_before_permute,
+            reversed_mapping=self.reversed_local_input_permutation_mapping, routing_map=self.routing_map,
+            token_rows=self._token_rows() if self._atomic_free_sums() else None,
+            output_splits=self.output_splits, input_splits=self.input_splits, output_splits_tp=self.output_splits_tp,
+            num_global_tokens_per_local_expert=getattr(self, "num_global_tokens_per_local_expert", None),
+            capacity=self.capacity, probs_dtype=self.probs.dtype)
+        return ExpertsInput(tokens, tokens_per_expert, probs, payload, handle)
+
+    def combine_preprocess_fp4(self, output, handle: AlltoAllCombine):
+        return unsort_by_source(self, output, handle)
+
+    def token_combine_fp4(self, output, handle: AlltoAllCombine):
+        return send_back(self, output, handle)
+
+    def combine_postprocess_fp4(self, output, handle: AlltoAllCombine):
+        return restore_tokens(self, output, handle)
 
     def sort_like_experts(self, payload: MXFP4Tensor) -> MXFP4Tensor:
         """The payload rows in the experts' input order; call right after dispatch_postprocess,
@@ -158,4 +156,4 @@ class FP4AlltoAllTokenDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
         return MXFP4Tensor(rows, payload.hidden, payload.scale_rule)
 
 
-__all__ = ["FP4AlltoAllTokenDispatcher", "QuantizedPermute", "ReceivedTokens"]
+__all__ = ["FP4AlltoAllTokenDispatcher"]

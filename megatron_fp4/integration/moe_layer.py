@@ -34,9 +34,10 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .. import telemetry
-from ..dispatch.cache import DispatchCache, MicroBatchKey
+from ..dispatch.cache import CachedDispatch, DispatchCache, MicroBatchKey
+from ..dispatch.contract import PendingCombine, QuantizedPermute, ReceivedTokens
+from ..dispatch.factory import fp4_token_dispatcher
 from ..dispatch.saved_fp4 import FP4SavedRows
-from ..dispatch.token_dispatcher import FP4AlltoAllTokenDispatcher, QuantizedPermute, ReceivedTokens
 from ..options import ExpertsPrecision, FP4Options, Route
 from .spec_tree import rewrite_spec
 
@@ -64,12 +65,10 @@ class FP4MoELayer(MoELayer):
     def __init__(self, config, *args, fp4_options: FP4Options, **kwargs):
         super().__init__(config, *args, **kwargs)
         pg_collection = kwargs.get("pg_collection") or get_default_pg_collection()
-        # The parent built a stock dispatcher (a few small index tensors); replace it by ours,
-        # which validates the configuration against the options table.
-        self.token_dispatcher = FP4AlltoAllTokenDispatcher(
-            self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection,
-            options=fp4_options, route=Route.PLUGIN,
-        )
+        # The parent built a stock dispatcher (a few small index tensors); replace it by ours for
+        # Megatron's dispatcher type, which validates the configuration against the options table.
+        self.token_dispatcher = fp4_token_dispatcher(
+            self.num_local_experts, self.local_expert_indices, self.config, pg_collection, fp4_options, Route.PLUGIN)
         if self.shared_experts is not None and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
         self.options = fp4_options
@@ -113,7 +112,7 @@ class FP4MoELayer(MoELayer):
             forward.tokens, probs, dequantize, replay, wire=None if quantized is None else quantized.wire)
         recording = self._recording()
         if forward.cache_role is CacheRole.RECORD:
-            entry = received.cached()
+            entry = CachedDispatch(received.payload, received.handle)
             self.recompute_cache.store(forward.micro_batch, entry)
             if recording is not None:
                 recording.hold(entry.nbytes())
@@ -128,19 +127,34 @@ class FP4MoELayer(MoELayer):
 
     def routed_experts_compute(self, forward: LayerForward, probs):
         dispatcher = self.token_dispatcher
-        received = forward.received
-        tokens, tokens_per_expert, probs = dispatcher.dispatch_postprocess(received.tokens, probs)
-        if self.options.experts is ExpertsPrecision.FP8:
-            payload = dispatcher.sort_like_experts(received.payload)
-            output, bias = self.experts(tokens, tokens_per_expert, probs, payload=payload, telemetry=self._recording())
-        elif self.options.saved_input and torch.is_grad_enabled():
-            with FP4SavedRows(tokens, dispatcher.sort_like_experts(received.payload), self._recording()):
+        fp8_experts = self.options.experts is ExpertsPrecision.FP8
+        saving_fp4 = self.options.saved_input and torch.is_grad_enabled()
+        inputs = dispatcher.experts_input(forward.received, probs, sort_payload=fp8_experts or saving_fp4)
+        tokens, tokens_per_expert, probs = inputs.tokens, inputs.tokens_per_expert, inputs.probs
+        if fp8_experts:
+            output, bias = self.experts(tokens, tokens_per_expert, probs, payload=inputs.payload,
+                                        telemetry=self._recording())
+        elif saving_fp4:
+            with FP4SavedRows(tokens, inputs.payload, self._recording()):
                 output, bias = self.experts(tokens, tokens_per_expert, probs)
         else:
             output, bias = self.experts(tokens, tokens_per_expert, probs)
         if bias is not None:
             raise RuntimeError(f"the experts returned a bias, which {type(dispatcher).__name__} cannot combine")
-        return dispatcher.combine_preprocess(output), bias
+        return PendingCombine(dispatcher.combine_preprocess_fp4(output, inputs.handle), inputs.handle), bias
+
+    def combine(self, pending: PendingCombine):
+        return PendingCombine(self.token_dispatcher.token_combine_fp4(pending.tokens, pending.handle), pending.handle)
+
+    def postprocess(self, pending: PendingCombine, shared_expert_output):
+        """MoELayer.postprocess (training: the latent projection back, the shared experts' output
+        added) on the combine that the handle finishes."""
+        output = self.token_dispatcher.combine_postprocess_fp4(pending.tokens, pending.handle)
+        if self.config.moe_latent_size:
+            output, _ = self.fc2_latent_proj(output)
+        if shared_expert_output is not None:
+            output = output + shared_expert_output
+        return output
 
 
 def _fp4_moe_layer(options: FP4Options):

@@ -1,7 +1,7 @@
 """The recompute cache: bookkeeping on fake payloads (keyed per micro-batch, freed when taken, stale /
 missing / mismatched entries refused), and the token replay on gloo (2 ranks): the same values and
 gradients as sending again, with no forward all-to-all. (The probs are not cached: the recompute
-sends its own through Megatron's all-to-all, see FP4AlltoAllTokenDispatcher._replay_dispatch.)"""
+sends its own through Megatron's all-to-all, see FP4AlltoAllTokenDispatcher.dispatch_fp4.)"""
 
 import os
 import tempfile
@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_fp4.dispatch.cache import CachedDispatch, DispatchCache, DispatchCacheError, MicroBatchKey
+from megatron_fp4.dispatch.alltoall_combine import AlltoAllSplits
 from megatron_fp4.formats import mxfp4_wire_bytes_per_row
 from megatron_fp4.tensors import MXFP4Tensor
 
@@ -20,7 +21,7 @@ HIDDEN = 256
 
 def _entry(tokens: int, splits=((3, 2), (4, 1)), hidden: int = HIDDEN):
     rows = torch.randint(0, 255, (tokens, mxfp4_wire_bytes_per_row(hidden)), dtype=torch.uint8)
-    return CachedDispatch(MXFP4Tensor(rows, hidden), *splits)
+    return CachedDispatch(MXFP4Tensor(rows, hidden), AlltoAllSplits(*splits))
 
 
 def test_keyed_per_micro_batch_and_freed_when_taken():
@@ -62,11 +63,11 @@ def test_stale_missing_and_mismatched_entries_are_refused():
         cache.take(MicroBatchKey.of(torch.zeros(8, 2, HIDDEN)))
     entry = cache.take(MicroBatchKey.of(x))
     assert len(cache) == 0  # taken out before it is checked: a refused entry is never served later
-    entry.check([3, 2], [4, 1], HIDDEN)  # lists or tuples alike
+    entry.check(AlltoAllSplits((3, 2), (4, 1)), HIDDEN)
     with pytest.raises(DispatchCacheError, match="does not match"):
-        entry.check((2, 3), (4, 1), HIDDEN)
+        entry.check(AlltoAllSplits((2, 3), (4, 1)), HIDDEN)
     with pytest.raises(DispatchCacheError, match="hidden"):
-        entry.check((3, 2), (4, 1), 2 * HIDDEN)
+        entry.check(AlltoAllSplits((3, 2), (4, 1)), 2 * HIDDEN)
 
 
 def test_cache_holds_under_27_percent_of_the_bf16_tokens():
@@ -165,9 +166,10 @@ def test_replay_hands_on_the_recomputes_own_probs(one_rank_group):
 
     recompute_probs = torch.rand(6, generator=g).requires_grad_(True)
     received, received_probs = dispatcher.dispatch_fp4(tokens.clone().requires_grad_(True), recompute_probs,
-                                                       dequantize=True, replay=CachedDispatch(payload, (6,), (6,)))
+                                                       dequantize=True,
+                                                       replay=CachedDispatch(payload, AlltoAllSplits((6,), (6,))))
     assert torch.equal(received_probs, recompute_probs)
-    assert received.payload is payload and (received.output_splits, received.input_splits) == ((6,), (6,))
+    assert received.payload is payload and received.handle == AlltoAllSplits((6,), (6,))
     assert torch.equal(received.tokens.view(torch.int16), dequantize_mxfp4(payload).bfloat16().view(torch.int16))
     (received_probs * torch.arange(6.0)).sum().backward()
     assert torch.equal(recompute_probs.grad, torch.arange(6.0))
