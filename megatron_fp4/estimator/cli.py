@@ -43,7 +43,9 @@ Memory per GPU, on the pipeline rank with the largest peak:
   GPU GiB    peak + device: what a GPU monitor shows; % GPU and fits compare it with the config's
              cluster.gpu_memory_gib ('tight': fits only if the allocator gives its reserve back)
 a2a: GB (10^9 bytes) one GPU sends per step through the MoE dispatch and combine all-to-alls,
-forward and backward, and again for `moe` recompute.
+forward and backward, and again for `moe` recompute; under the flex dispatcher on DeepEP one row
+per token and destination rank (the expected distinct ranks of uniform top-k routing), else one
+per routed expert.
 
 {fp4_rows}
 

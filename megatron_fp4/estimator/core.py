@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 from ..options import megatron_recompute
 from ..run_config import RunConfig, load_config, parse_config_argv
-from .a2a import A2ABytes, a2a_bytes
-from .device import DeviceRows, device_rows
+from .a2a import A2ABytes, a2a_bytes, deepep_ranks_per_token
+from .device import DeviceRows, device_rows, uses_deepep
 from .memory import RankMemory, all_ranks, make_ctx
 from .precision import Precision, precision_of
 from .recompute import Recompute, recompute_of
@@ -137,7 +137,11 @@ def estimate(config, mode: str = "recipe", overrides: dict[str, object] | None =
         raise EstimateError("mla_up_proj recompute needs multi_latent_attention")
     c = make_ctx(args, shape, par, p, rc)
     ranks = all_ranks(args, c)
-    a2a = max((a2a_bytes(shape, par, p, rc, r) for r in range(par.pp)), key=lambda a: a.total)
+    # Under the flex dispatcher on DeepEP a token travels once per destination rank (a2a.py).
+    deepep_ranks = (deepep_ranks_per_token(shape.experts, shape.topk, par.ep,
+                                           getattr(args, "moe_router_num_groups", None),
+                                           getattr(args, "moe_router_group_topk", None)) if uses_deepep(args) else None)
+    a2a = max((a2a_bytes(shape, par, p, rc, r, deepep_ranks) for r in range(par.pp)), key=lambda a: a.total)
     device = device_rows(args, shape, par, max(r.peak for r in ranks))
     return Estimate(config=str(config.path), mode=mode, precision=p, recompute=rc, shape=shape, parallel=par,
                     gpu_memory_gib=config.cluster.get("gpu_memory_gib"), ranks=ranks, a2a=a2a, device=device,

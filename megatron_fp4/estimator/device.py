@@ -18,8 +18,11 @@ allocated`, the estimate's peak. Four named rows, each an assumption stated with
   of SIMPLE buffers each way.
 - deepep: DeepEP's buffers under the flex dispatcher (Megatron's fused_a2a.get_buffer: the larger of
   the dispatch and combine configs' size hints, DeepEP's default configs for the EP size, hidden
-  bytes of BF16 rows, `moe_deepep_num_sms` SMs): the NVLink buffer, and across nodes the RDMA buffer
-  in NVSHMEM's symmetric heap, which DeepEP grows in 512 MiB steps (NVSHMEM_CUMEM_GRANULARITY).
+  bytes of BF16 rows, `moe_flex_dispatcher_num_sms` (or the deprecated `moe_deepep_num_sms`) SMs,
+  20 by default): the NVLink buffer, and across nodes the RDMA buffer in NVSHMEM's symmetric heap,
+  which DeepEP grows in 512 MiB steps (NVSHMEM_CUMEM_GRANULARITY). With --moe-fp4-dispatch the same:
+  its MXFP4 rows (H/2 + H/32 bytes) are narrower than the BF16 combine's 2H, for which dispatch/
+  deepep.py sizes the one shared buffer (hidden_bytes = 2H, as Megatron's BF16 dispatch does).
 - allocator_reserve: ALLOCATOR_RESERVE_FRACTION of the peak: what PyTorch's caching allocator holds
   beyond its allocated memory (expandable segments, as our launcher and the FP8-Flow-MoE scripts
   set). Measured on our one-GPU proxies without a cap: max reserved / max allocated 19630 / 17905
@@ -31,6 +34,7 @@ allocated`, the estimate's peak. Four named rows, each an assumption stated with
 import math
 from dataclasses import dataclass
 
+from ..options import flex_dispatcher_backend
 from .shapes import ModelShape, Parallel
 
 MIB = 2**20
@@ -71,8 +75,14 @@ class DeviceRows:
 
 
 def uses_deepep(args) -> bool:
-    return args.moe_token_dispatcher_type == "flex" and (
-        bool(getattr(args, "moe_enable_deepep", False)) or getattr(args, "moe_flex_dispatcher_backend", None) == "deepep")
+    """The flex dispatcher on DeepEP, the backend resolved as megatron-core's TransformerConfig does."""
+    return flex_dispatcher_backend(args) == "deepep"
+
+
+def deepep_num_sms(args) -> int:
+    """The SMs Megatron hands DeepEP (Buffer.set_num_sms): moe_flex_dispatcher_num_sms, else the
+    deprecated moe_deepep_num_sms it replaces (megatron-core 0.19), else 20."""
+    return getattr(args, "moe_flex_dispatcher_num_sms", None) or getattr(args, "moe_deepep_num_sms", None) or 20
 
 
 def deepep_bytes(args, s: ModelShape, par: Parallel) -> float:
@@ -82,7 +92,7 @@ def deepep_bytes(args, s: ModelShape, par: Parallel) -> float:
     if par.ep not in DEEPEP_RECV_TOKENS:
         return 0.0
     nvl_tokens, rdma_tokens = DEEPEP_RECV_TOKENS[par.ep]
-    channels = (getattr(args, "moe_deepep_num_sms", None) or 20) // 2
+    channels = deepep_num_sms(args) // 2
     hidden_bytes = s.hidden * 2
     nvl_ranks, rdma_ranks = min(par.ep, DEEPEP_NVL_PEERS), max(par.ep // DEEPEP_NVL_PEERS, 1)
     nvl = channels * nvl_ranks * (nvl_tokens * (hidden_bytes + DEEPEP_TOKEN_META_BYTES) + (2 * rdma_ranks + 3) * 4)

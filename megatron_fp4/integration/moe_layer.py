@@ -1,4 +1,6 @@
-"""FP4MoELayer: Megatron's MoELayer whose all-to-all dispatch travels in MXFP4.
+"""FP4MoELayer: Megatron's MoELayer whose token dispatch travels in MXFP4, through the alltoall or
+the flex (DeepEP) dispatcher (dispatch/factory.py picks ours for Megatron's dispatcher type; both
+implement dispatch/contract.py).
 
 The protocol, and the Megatron call order it relies on. MoELayer.forward (megatron-core 0.18-0.19,
 its inner `custom_forward`) runs, each step handed the previous step's result directly:
@@ -7,18 +9,19 @@ its inner `custom_forward`) runs, each step handed the previous step's result di
         -> routed_experts_compute(dispatched, probs) -> combine(output) -> postprocess(output, shared)
 
 With `moe` recompute the whole sequence runs twice: a first pass under no_grad inside Megatron's
-checkpoint and the recompute with grad on. This layer overrides the three middle steps and passes
-one value along them in the tokens' place, `LayerForward`: preprocess creates it (the permuted
-tokens, or, without --moe-permute-fusion, their MXFP4 rows: the dispatcher's permute_quantized
-quantizes each token once and permutes the rows; and, with --moe-fp4-cache, the micro-batch and
-the cache's role in this pass; a replayed pass quantizes nothing), dispatch
-adds what the all-to-all delivered (`ReceivedTokens`: BF16 tokens and the MXFP4 payload), and
-routed_experts_compute hands the payload to the experts as an argument. Nothing is set on one
-object for another to read. With --moe-fp4-telemetry the layer records each training pass's
-dispatch and cache use in the process's recorder (megatron_fp4.telemetry) and hands the recorder
-to the experts and the saved-input hooks as an argument. A Megatron that put work between these
-steps would meet a LayerForward where it expects a tensor and fail at once; tests/integration
-pins the order.
+checkpoint and the recompute with grad on. This layer overrides the steps from preprocess on and
+passes values along them in the tokens' place: `LayerForward` from preprocess (the tokens to send,
+or, where the dispatcher permutes MXFP4 rows, those rows; with --moe-fp4-cache, the micro-batch
+and the cache's role in this pass; a replayed pass quantizes nothing), to which dispatch adds what
+arrived (`ReceivedTokens`: BF16 tokens, the MXFP4 payload and the dispatch's handle);
+routed_experts_compute hands the experts their input (`ExpertsInput`, the payload sorted like the
+tokens where the experts or the saved-input hooks use it) and returns a `PendingCombine`, the
+output with the combine's handle, which combine and postprocess carry to the end. Nothing is set
+on one object for another to read. With --moe-fp4-telemetry the layer records each training
+pass's dispatch and cache use in the process's recorder (megatron_fp4.telemetry) and hands the
+recorder to the experts and the saved-input hooks as an argument. A Megatron that put work between
+these steps would meet one of these values where it expects a tensor and fail at once;
+tests/integration pins the order.
 Megatron's split schedule (--overlap-moe-expert-parallel-comm) calls the steps itself and CUDA
 graphs capture them: both are refused by megatron_fp4.options.
 """
@@ -35,6 +38,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .. import telemetry
 from ..dispatch.cache import CachedDispatch, DispatchCache, MicroBatchKey
+from ..dispatch.deepep import require_covered_deep_ep
 from ..dispatch.contract import PendingCombine, QuantizedPermute, ReceivedTokens
 from ..dispatch.factory import fp4_token_dispatcher
 from ..dispatch.saved_fp4 import FP4SavedRows
@@ -63,6 +67,9 @@ class FP4MoELayer(MoELayer):
     """Router, experts, shared experts, combine and recompute stay the parent's."""
 
     def __init__(self, config, *args, fp4_options: FP4Options, **kwargs):
+        if config.moe_token_dispatcher_type == "flex":
+            # Before the parent builds Megatron's own flex dispatcher, whose DeepEP manager fails first.
+            require_covered_deep_ep()
         super().__init__(config, *args, **kwargs)
         pg_collection = kwargs.get("pg_collection") or get_default_pg_collection()
         # The parent built a stock dispatcher (a few small index tensors); replace it by ours for

@@ -14,7 +14,7 @@ from .fp4_options import (RECOMPUTED_BY, ExpertsPrecision, FP4Options, GradForma
                           Storage)
 from .refusals import REFUSALS, Refusal, UnsupportedConfiguration, validate, validate_args
 from .settings import (SUPPORTED_MEGATRON_CORE, Environment, ModelSettings, Route, before_megatron_validation,
-                       megatron_recompute)
+                       flex_dispatcher_backend, megatron_recompute)
 from .usage_table import usage_markdown
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "UnsupportedConfiguration",
     "add_arguments",
     "before_megatron_validation",
+    "flex_dispatcher_backend",
     "megatron_recompute",
     "usage_markdown",
     "validate",

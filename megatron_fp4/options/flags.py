@@ -31,7 +31,8 @@ class Flag:
 
 FLAGS = (
     Flag("dispatch", "Quantize routed tokens to MXFP4 before the expert-parallel all-to-all (H/2 + H/32 bytes per "
-         "token instead of 2H). Off: stock Megatron dispatch."),
+         "token instead of 2H), under --moe-token-dispatcher-type alltoall, or flex with DeepEP (the payload in "
+         "DeepEP's FP8 slot, DeepEP unchanged). Off: stock Megatron dispatch."),
     Flag("dispatch_grad", "Format of the gradient sent back through the dispatch all-to-all: bf16 (unquantized, "
          "exact) or fp8 (E4M3 with 1x128 power-of-two scales).", GradFormat),
     Flag("scale_rule", "MXFP4 block scale: ceil (2^ceil(log2(amax/6)), never clips) or floor (OCP: "

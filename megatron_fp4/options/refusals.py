@@ -44,6 +44,8 @@ FP8 = ExpertsPrecision.FP8
 _fp8_experts = lambda o: o.experts is FP8  # noqa: E731
 _fp8_linears = lambda o: o.linears is LinearsPrecision.FP8  # noqa: E731
 _moe = lambda o: o.touches_moe_layers  # noqa: E731
+# The FP4 dispatch through Megatron's flex dispatcher (dispatch/flex.py over DeepEP, docs/design.md §4.9).
+_flex = lambda o, m: o.dispatch and m.dispatcher_type == "flex"  # noqa: E731
 
 
 def _linear_roles(model: ModelSettings) -> FrozenSet[LinearRole]:
@@ -119,6 +121,12 @@ REFUSALS = (
             "--moe-fp4-cache, --moe-fp4-saved-input, --moe-fp4-experts fp8, --moe-fp4-linears fp8, "
             "--moe-fp4-telemetry and --moe-fp4-fused-attention, or run megatron_fp4.launch on an unpatched "
             "megatron-core."),
+    Refusal("the patch route (also our launcher on a patched tree) with the flex dispatcher",
+            # The patched MoELayer builds our dispatcher for alltoall only: flex would run Megatron's own.
+            lambda o, m, e, r: r is Route.PATCH and _flex(o, m),
+            "a megatron-core tree patched with `megatron-fp4 patch` sends --moe-fp4-dispatch through the alltoall "
+            "dispatcher only: use --moe-token-dispatcher-type alltoall, or run megatron_fp4.launch on an unpatched "
+            "megatron-core for the flex dispatcher."),
     Refusal("context parallelism (our launcher does not slice batches per CP rank)",
             lambda o, m, e, r: r is Route.LAUNCHER and m.context_parallel_size > 1,
             "megatron_fp4's launcher does not slice batches for context parallelism: use --context-parallel-size 1."),
@@ -126,10 +134,44 @@ REFUSALS = (
     Refusal("no MoE layers",
             lambda o, m, e, r: _moe(o) and not m.num_experts,
             "--moe-fp4-dispatch and --moe-fp4-experts fp8 need an MoE model: set --num-experts."),
-    Refusal("a dispatcher other than alltoall",
-            lambda o, m, e, r: o.dispatch and m.dispatcher_type != "alltoall",
-            "--moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got {dispatcher_type}): it replaces "
-            "that dispatcher's all-to-all."),
+    Refusal("a dispatcher other than alltoall or flex",
+            lambda o, m, e, r: o.dispatch and m.dispatcher_type not in ("alltoall", "flex"),
+            "--moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall or flex (got {dispatcher_type}): it "
+            "replaces those dispatchers' token exchange."),
+    # Through the flex dispatcher: DeepEP's normal mode only, its combine (the dispatch's backward too)
+    # BF16 only. DeepEP being importable and covered (1.2.x) and its buffer not in low-latency mode
+    # are checked where it runs (dispatch/deepep.py): a plan for another machine cannot see them.
+    Refusal("the flex dispatcher with --moe-flex-dispatcher-backend hybridep or ncclep",
+            lambda o, m, e, r: _flex(o, m) and m.flex_backend != "deepep",
+            "--moe-fp4-dispatch through the flex dispatcher serves its DeepEP backend only (got "
+            "--moe-flex-dispatcher-backend {flex_backend})."),
+    Refusal("the flex dispatcher with one expert-parallel rank",
+            # megatron-core's DeepEP manager asserts it at the layer's construction.
+            lambda o, m, e, r: _flex(o, m) and m.expert_parallel_size * m.expert_tensor_parallel_size == 1,
+            "--moe-fp4-dispatch through the flex dispatcher needs --expert-model-parallel-size above 1 (DeepEP "
+            "exchanges tokens between ranks; megatron-core asserts it too): use alltoall on one expert rank."),
+    Refusal("the flex dispatcher with --moe-fp4-dispatch-grad fp8",
+            lambda o, m, e, r: _flex(o, m) and o.dispatch_grad is GradFormat.FP8,
+            "--moe-fp4-dispatch-grad fp8 is not served through the flex dispatcher: DeepEP's combine, which carries "
+            "the dispatch's gradient back, is BF16 only; use --moe-fp4-dispatch-grad bf16."),
+    Refusal("the flex dispatcher with --moe-fp4-cache",
+            lambda o, m, e, r: _flex(o, m) and o.cache,
+            "--moe-fp4-cache is not served through the flex dispatcher yet (it replays the alltoall dispatcher's "
+            "payload and splits): drop --moe-fp4-cache or use --moe-token-dispatcher-type alltoall."),
+    Refusal("the flex dispatcher with --moe-fp4-telemetry",
+            lambda o, m, e, r: _flex(o, m) and o.telemetry,
+            "--moe-fp4-telemetry is not served through the flex dispatcher yet (its byte counts are the alltoall "
+            "dispatcher's rows): drop --moe-fp4-telemetry or use --moe-token-dispatcher-type alltoall."),
+    Refusal("the flex dispatcher with --moe-router-padding-for-quantization",
+            lambda o, m, e, r: _flex(o, m) and m.router_padding_for_quantization,
+            "--moe-fp4-dispatch through the flex dispatcher does not pad the experts' token counts as "
+            "--moe-router-padding-for-quantization (or --moe-router-padding-for-fp8) asks: drop that flag."),
+    Refusal("the flex dispatcher with --moe-pad-expert-input-to-capacity",
+            # megatron-core's TransformerConfig refuses it with DeepEP too, but only once a launch builds
+            # the model's config; here --dry-run and the estimator refuse it as well.
+            lambda o, m, e, r: _flex(o, m) and m.pad_to_capacity,
+            "--moe-pad-expert-input-to-capacity is not served by the flex dispatcher's DeepEP backend (megatron-core "
+            "refuses it there too): drop it or use --moe-token-dispatcher-type alltoall."),
     Refusal("a dispatched width not divisible by 128",
             lambda o, m, e, r: _moe(o) and (m.dispatched_width or 0) % FP8_BLOCK != 0,
             f"--moe-fp4-dispatch and --moe-fp4-experts fp8 need --hidden-size (or --moe-latent-size) divisible by "
@@ -158,6 +200,10 @@ REFUSALS = (
             lambda o, m, e, r: m.fp16 and (o.dispatch or _fp8_experts(o) or _fp8_linears(o)),
             "--moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 run on BF16 activations (MXFP4 "
             "values can overflow float16 and the FP8 GEMMs write BF16): use --bf16 instead of --fp16."),
+    Refusal("the flex dispatcher without --bf16",
+            lambda o, m, e, r: _flex(o, m) and not m.bf16,
+            "--moe-fp4-dispatch through the flex dispatcher needs --bf16: DeepEP's combine, which also carries the "
+            "dispatch's gradient back, is BF16 only."),
     Refusal("--moe-fp4-cache without whole-layer MoE recompute",
             lambda o, m, e, r: o.cache and not m.moe_recompute,
             "--moe-fp4-cache serves only the recompute of whole MoE layers: add --recompute-granularity selective "
@@ -209,10 +255,12 @@ REFUSALS = (
             "--moe-fp4-fused-attention computes plain causal attention and would ignore the document boundaries "
             "that --reset-attention-mask puts in the mask: drop one of the two flags."),
     # What our FP8 experts implement.
-    Refusal("--moe-fp4-experts fp8 with the flex dispatcher",
-            lambda o, m, e, r: _fp8_experts(o) and m.dispatcher_type == "flex",
-            "--moe-fp4-experts fp8 does not support --moe-token-dispatcher-type flex: that dispatcher hands the "
-            "experts DeepEP / NCCL-EP buffers it does not serve; use alltoall."),
+    Refusal("--moe-fp4-experts fp8 with the flex dispatcher, without --moe-fp4-dispatch",
+            # With it, the FP4 flex dispatcher feeds the experts from the received payload.
+            lambda o, m, e, r: _fp8_experts(o) and m.dispatcher_type == "flex" and not o.dispatch,
+            "--moe-fp4-experts fp8 does not take Megatron's own flex dispatcher (it hands the experts DeepEP / "
+            "NCCL-EP buffers they do not read): add --moe-fp4-dispatch, whose flex dispatcher feeds them the "
+            "received MXFP4 payload, or use --moe-token-dispatcher-type alltoall."),
     Refusal("--moe-fp4-experts fp8 without SwiGLU",
             lambda o, m, e, r: _fp8_experts(o) and not m.swiglu,
             "--moe-fp4-experts fp8 implements SwiGLU experts only: add --swiglu."),

@@ -32,6 +32,18 @@ def megatron_recompute(granularity: Optional[str], modules,
     return "selective", modules + ["moe"] * ("moe" not in modules)
 
 
+def flex_dispatcher_backend(source) -> Optional[str]:
+    """The flex dispatcher's backend (deepep, hybridep or ncclep) as megatron-core 0.19's
+    TransformerConfig resolves it, read the same way from parsed arguments and from a config: the
+    deprecated --moe-enable-deepep means deepep, else --moe-flex-dispatcher-backend (Megatron's
+    default: deepep). None under another dispatcher type."""
+    if getattr(source, "moe_token_dispatcher_type", None) != "flex":
+        return None
+    if getattr(source, "moe_enable_deepep", False):
+        return "deepep"
+    return getattr(source, "moe_flex_dispatcher_backend", None) or "deepep"
+
+
 def _some_layer_dense(moe_layer_freq) -> bool:
     """Megatron's moe_layer_freq: every N-th layer MoE (N > 1 leaves dense layers) or a 0/1 list per
     layer; anything else (an unparsed pattern string) counts as possibly dense."""
@@ -49,11 +61,14 @@ class ModelSettings:
 
     num_experts: Optional[int]
     fp16: bool  # --fp16: the model's activations in float16
+    bf16: bool  # --bf16: the model's activations in bfloat16 (neither: float32)
     dispatcher_type: Optional[str]
+    flex_backend: Optional[str]  # the flex dispatcher's backend (flex_dispatcher_backend); None for others
     hidden_size: Optional[int]
     dispatched_width: Optional[int]  # the MoE latent size when set, else hidden
     moe_ffn_hidden_size: Optional[int]
     expert_tensor_parallel_size: int
+    expert_parallel_size: int
     tensor_parallel_size: int
     transformer_impl: Optional[str]
     context_parallel_size: int
@@ -63,6 +78,8 @@ class ModelSettings:
     recompute_modules: Tuple[str, ...]
     capacity_factor: Optional[float]
     pad_to_capacity: bool
+    # --moe-router-padding-for-quantization (or its alias --moe-router-padding-for-fp8)
+    router_padding_for_quantization: bool
     permute_fusion: bool
     probs_on_input: bool
     delay_wgrad: bool
@@ -104,11 +121,14 @@ class ModelSettings:
         return cls(
             num_experts=num_experts,
             fp16=bool(get("fp16", False)),
+            bf16=bool(get("bf16", False)),
             dispatcher_type=get("moe_token_dispatcher_type"),
+            flex_backend=flex_dispatcher_backend(source),
             hidden_size=hidden,
             dispatched_width=get("moe_latent_size") or hidden,
             moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
             expert_tensor_parallel_size=get("expert_tensor_parallel_size") or 1,
+            expert_parallel_size=get("expert_model_parallel_size") or 1,
             tensor_parallel_size=get("tensor_model_parallel_size") or 1,
             transformer_impl=get("transformer_impl"),
             context_parallel_size=get("context_parallel_size") or 1,
@@ -118,6 +138,8 @@ class ModelSettings:
             recompute_modules=tuple(modules or ()),
             capacity_factor=get("moe_expert_capacity_factor"),
             pad_to_capacity=bool(get("moe_pad_expert_input_to_capacity", False)),
+            router_padding_for_quantization=bool(get("moe_router_padding_for_quantization", False)
+                                                 or get("moe_router_padding_for_fp8", False)),
             permute_fusion=bool(get("moe_permute_fusion", False)),
             probs_on_input=bool(get("moe_apply_probs_on_input", False)),
             delay_wgrad=bool(get("delay_wgrad_compute", False)),

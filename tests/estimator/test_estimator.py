@@ -397,8 +397,8 @@ def test_estimate_refuses_what_a_launch_refuses(tmp_path, capsys):
     assert _main(["estimate", str(allgather)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == ("error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got allgather): "
-                            "it replaces that dispatcher's all-to-all.\n")
+    assert captured.err == ("error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall or flex (got "
+                            "allgather): it replaces those dispatchers' token exchange.\n")
     # A --set override is validated too; the same config without it estimates.
     fp4 = str(PROXY / "memcap_fp4_attn.yaml")
     assert _main(["estimate", "--set", "moe_fp4_cache=true", fp4]) == 2

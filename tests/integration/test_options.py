@@ -1,6 +1,7 @@
 """The options table: flag parsing, FP4Options from args and from a config, and every refusal."""
 
 import argparse
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -66,7 +67,7 @@ def test_a_supported_configuration_passes_and_off_is_never_checked():
     "overrides, version, cuda, message",
     [
         ({"moe_token_dispatcher_type": "allgather"}, "0.19.2", True, "alltoall"),
-        ({"moe_token_dispatcher_type": "flex"}, "0.19.2", True, "alltoall"),
+        ({"moe_token_dispatcher_type": "flex", "expert_model_parallel_size": 2}, "0.19.2", True, "needs --bf16"),  # DeepEP's combine: BF16 only
         ({"hidden_size": 4000}, "0.19.2", True, "divisible by 128"),
         ({"expert_tensor_parallel_size": 2}, "0.19.2", True, "expert tensor parallelism"),
         ({"num_experts": None}, "0.19.2", True, "MoE model"),
@@ -174,12 +175,98 @@ def test_fp8_experts_flag_parses_and_works_with_and_without_fp4_dispatch():
     ({"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}, "drop moe_act"),
     ({"moe_pad_expert_input_to_capacity": True}, "--moe-pad-expert-input-to-capacity"),
     ({"overlap_moe_expert_parallel_comm": True, "moe_fp4_dispatch": False}, "--overlap-moe-expert-parallel-comm"),
-    ({"moe_token_dispatcher_type": "flex", "moe_fp4_dispatch": False}, "does not support --moe-token-dispatcher-type flex"),
+    ({"moe_token_dispatcher_type": "flex", "moe_fp4_dispatch": False}, "does not take Megatron's own flex dispatcher"),
     ({"moe_fp4_storage": "none", "moe_fp4_dispatch": False}, "--moe-fp4-storage none .* needs --moe-fp4-dispatch"),
 ])
 def test_fp8_experts_refusals(overrides, message):
     with pytest.raises(UnsupportedConfiguration, match=message):
         _check(_fp8_experts(**overrides))
+
+
+def _flex(**overrides):
+    """--moe-fp4-dispatch through the flex dispatcher on DeepEP (Megatron's default flex backend), BF16."""
+    return _config(**{"moe_token_dispatcher_type": "flex", "bf16": True, "expert_model_parallel_size": 2, **overrides})
+
+
+@pytest.mark.parametrize("backend", [{}, {"moe_enable_deepep": True}, {"moe_flex_dispatcher_backend": "deepep"},
+                                     # Megatron resolves the deprecated switch to deepep over the backend named
+                                     {"moe_enable_deepep": True, "moe_flex_dispatcher_backend": "ncclep"}],
+                         ids=["default", "enable-deepep", "backend-deepep", "enable-deepep-over-ncclep"])
+def test_fp4_dispatch_through_flex_on_deepep_is_accepted(backend):
+    _check(_flex(**backend))
+    assert ModelSettings.from_args(_flex(**backend)).flex_backend == "deepep"
+    # The FP8 experts fed from the received payload, the saved input, the scale rule: served through flex.
+    _check(_flex(**backend, moe_fp4_experts="fp8", swiglu=True, add_bias_linear=False, moe_ffn_hidden_size=2048))
+    _check(_flex(**backend, moe_fp4_saved_input=True, moe_fp4_scale_rule="floor"))
+    validate(FP4Options(dispatch=True), ModelSettings.from_args(_flex(**backend)), None, Route.PLUGIN)
+
+
+@pytest.mark.parametrize("overrides, sentence", [
+    ({"moe_flex_dispatcher_backend": "hybridep"},
+     "--moe-fp4-dispatch through the flex dispatcher serves its DeepEP backend only (got "
+     "--moe-flex-dispatcher-backend hybridep)."),
+    ({"moe_flex_dispatcher_backend": "ncclep"},
+     "--moe-fp4-dispatch through the flex dispatcher serves its DeepEP backend only (got "
+     "--moe-flex-dispatcher-backend ncclep)."),
+    ({"moe_fp4_dispatch_grad": "fp8"},
+     "--moe-fp4-dispatch-grad fp8 is not served through the flex dispatcher: DeepEP's combine, which carries the "
+     "dispatch's gradient back, is BF16 only; use --moe-fp4-dispatch-grad bf16."),
+    ({"moe_fp4_cache": True, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
+     "--moe-fp4-cache is not served through the flex dispatcher yet (it replays the alltoall dispatcher's payload "
+     "and splits): drop --moe-fp4-cache or use --moe-token-dispatcher-type alltoall."),
+    ({"moe_fp4_telemetry": True},
+     "--moe-fp4-telemetry is not served through the flex dispatcher yet (its byte counts are the alltoall "
+     "dispatcher's rows): drop --moe-fp4-telemetry or use --moe-token-dispatcher-type alltoall."),
+    ({"moe_router_padding_for_quantization": True},
+     "--moe-fp4-dispatch through the flex dispatcher does not pad the experts' token counts as "
+     "--moe-router-padding-for-quantization (or --moe-router-padding-for-fp8) asks: drop that flag."),
+    ({"moe_router_padding_for_fp8": True},  # the alias Megatron turns into the flag above
+     "--moe-fp4-dispatch through the flex dispatcher does not pad the experts' token counts as "
+     "--moe-router-padding-for-quantization (or --moe-router-padding-for-fp8) asks: drop that flag."),
+    ({"moe_pad_expert_input_to_capacity": True, "moe_expert_capacity_factor": 1.0},
+     "--moe-pad-expert-input-to-capacity is not served by the flex dispatcher's DeepEP backend (megatron-core "
+     "refuses it there too): drop it or use --moe-token-dispatcher-type alltoall."),
+    ({"expert_model_parallel_size": 1},
+     "--moe-fp4-dispatch through the flex dispatcher needs --expert-model-parallel-size above 1 (DeepEP exchanges "
+     "tokens between ranks; megatron-core asserts it too): use alltoall on one expert rank."),
+    ({"bf16": False},
+     "--moe-fp4-dispatch through the flex dispatcher needs --bf16: DeepEP's combine, which also carries the "
+     "dispatch's gradient back, is BF16 only."),
+    ({"bf16": False, "fp16": True},  # the sentence for --fp16 with the dispatch, whatever the dispatcher
+     "--moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 run on BF16 activations (MXFP4 values "
+     "can overflow float16 and the FP8 GEMMs write BF16): use --bf16 instead of --fp16."),
+], ids=["hybridep", "ncclep", "grad-fp8", "cache", "telemetry", "padding-for-quantization", "padding-for-fp8",
+        "pad-to-capacity", "one-expert-rank", "fp32", "fp16"])
+def test_fp4_dispatch_through_flex_refuses_what_it_does_not_serve(overrides, sentence):
+    for planned in (False, True):  # a launch on this machine, and a plan for another (estimate, --dry-run)
+        with pytest.raises(UnsupportedConfiguration) as refused:
+            if planned:
+                validate(FP4Options.from_args(_flex(**overrides)), ModelSettings.from_args(_flex(**overrides)), None,
+                         Route.LAUNCHER)
+            else:
+                _check(_flex(**overrides))
+        assert str(refused.value) == sentence
+    # Each is about flex: the alltoall dispatcher serves the same flags (where it serves them at all).
+    if "moe_flex_dispatcher_backend" in overrides or "moe_router_padding_for_quantization" in overrides or (
+            "moe_router_padding_for_fp8" in overrides or "moe_pad_expert_input_to_capacity" in overrides):
+        _check(_config(**overrides))
+
+
+def test_the_patch_route_sends_the_fp4_dispatch_through_alltoall_only():
+    """A patched MoELayer builds our dispatcher for alltoall only: under flex it would run Megatron's."""
+    _check(_flex(), route=Route.PLUGIN)
+    with pytest.raises(UnsupportedConfiguration, match="patched with `megatron-fp4 patch` sends --moe-fp4-dispatch "
+                                                       "through the alltoall dispatcher only"):
+        _check(_flex(), route=Route.PATCH)
+    _check(_config(), route=Route.PATCH)
+    _check(_flex(moe_fp4_dispatch=False), route=Route.PATCH)  # stock flex: nothing of ours there
+
+
+def test_fp8_experts_with_flex_need_the_fp4_dispatch():
+    fp8_flex = dict(moe_token_dispatcher_type="flex", bf16=True, expert_model_parallel_size=2)
+    _check(_fp8_experts(**fp8_flex))  # fed from the payload the FP4 flex dispatcher received
+    with pytest.raises(UnsupportedConfiguration, match="add --moe-fp4-dispatch, whose flex dispatcher feeds them"):
+        _check(_fp8_experts(**fp8_flex, moe_fp4_dispatch=False))
 
 
 def test_options_are_typed_and_built_alike_from_args_and_config():
@@ -216,9 +303,25 @@ def test_model_settings_read_alike_from_args_and_config():
                            recompute_granularity="selective", recompute_modules=["moe"])
     from_config, from_args = ModelSettings.from_config(config), ModelSettings.from_args(args)
     for name in ("num_experts", "hidden_size", "dispatched_width", "moe_ffn_hidden_size", "swiglu",
-                 "add_bias_linear", "dispatcher_type", "moe_recompute", "cuda_graph_captures_moe"):
+                 "add_bias_linear", "dispatcher_type", "moe_recompute", "cuda_graph_captures_moe", "bf16",
+                 "flex_backend", "router_padding_for_quantization"):
         assert getattr(from_config, name) == getattr(from_args, name), name
-    assert from_config.swiglu and from_config.moe_recompute
+    assert from_config.swiglu and from_config.moe_recompute and from_config.flex_backend is None
+    # The flex dispatcher's backend as megatron-core's TransformerConfig resolves it.
+    import torch
+
+    for flags, backend in (({"moe_enable_deepep": True}, "deepep"), ({}, "deepep"),
+                           ({"moe_flex_dispatcher_backend": "ncclep"}, "ncclep"),
+                           ({"moe_flex_dispatcher_backend": "hybridep"}, "hybridep")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # moe_enable_deepep is deprecated
+            config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=8,
+                                       moe_token_dispatcher_type="flex", bf16=True, params_dtype=torch.bfloat16,
+                                       **flags)
+        args = SimpleNamespace(num_experts=8, hidden_size=256, moe_token_dispatcher_type="flex", bf16=True, **flags)
+        from_config, from_args = ModelSettings.from_config(config), ModelSettings.from_args(args)
+        assert from_config.flex_backend == from_args.flex_backend == backend, flags
+        assert from_config.bf16 and from_args.bf16
 
 
 def test_the_patch_route_refuses_what_needs_the_plugins_layer():

@@ -135,7 +135,7 @@ def test_dry_run_refuses_what_a_launch_refuses(tmp_path):
     assert refused.returncode == 2 and refused.stdout == ""
     # The sentence alone: nothing of Megatron's or torch's import-time notices.
     assert one_error_line(refused.stderr) == ("error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall "
-                                              "(got allgather): it replaces that dispatcher's all-to-all.")
+                                              "or flex (got allgather): it replaces those dispatchers' token exchange.")
     # Extra flags are validated with the config's.
     cache = _dry_run("configs/proxy/gpus2_bf16.yaml", "--moe-fp4-dispatch", "--moe-fp4-cache")
     assert cache.returncode == 2 and cache.stdout == ""

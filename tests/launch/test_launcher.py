@@ -144,7 +144,7 @@ REFUSED_ARGV = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-he
 
 
 @pytest.mark.parametrize("cuda, sentence", [
-    (True, "error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall (got allgather)"),
+    (True, "error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall or flex (got allgather)"),
     (False, "error: --moe-fp4-dispatch, --moe-fp4-experts fp8, --moe-fp4-linears fp8 and --moe-fp4-fused-attention "
             "need CUDA GPUs"),
 ], ids=["with-cuda", "without-cuda"])  # (an id "gpu" would mark it GPU-only)

@@ -141,10 +141,12 @@ def test_cli_prints_the_command_line(tmp_path, capsys):
 def test_validate_config_refuses_what_a_launch_refuses(tmp_path, capsys):
     path = _write(tmp_path, "allgather.yaml", f"include: {CONFIGS / 'proxy' / 'gpus2.yaml'}\nmoe_fp4_dispatch: true\n"
                                               "moe_token_dispatcher_type: allgather\n")
-    with pytest.raises(UnsupportedConfiguration, match=r"needs --moe-token-dispatcher-type alltoall \(got allgather\)"):
+    with pytest.raises(UnsupportedConfiguration,
+                       match=r"needs --moe-token-dispatcher-type alltoall or flex \(got allgather\)"):
         validate_config(load_config(path))
     assert cli_main(["argv", str(path)]) == 2
-    assert capsys.readouterr().err.startswith("error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall")
+    assert capsys.readouterr().err.startswith(
+        "error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall or flex")
     # Extra flags count; no CUDA is needed (the plan is for another machine).
     proxy = load_config(CONFIGS / "proxy" / "gpus2.yaml")
     assert validate_config(proxy, ["--moe-fp4-dispatch"]) == FP4Options(dispatch=True)
@@ -246,6 +248,69 @@ def test_every_route_refuses_what_the_launch_refuses(tmp_path, capsys):
     finally:
         del os.environ["GPUS_PER_NODE"]
     assert "the launch's 3 GPU(s) (nodes x gpus_per_node) do not split into expert-tensor" in capsys.readouterr().err
+
+
+FLEX_DEEPEP = {"enable-deepep": "moe_enable_deepep: true\n", "backend-deepep": "moe_flex_dispatcher_backend: deepep\n"}
+
+
+@pytest.mark.parametrize("backend", sorted(FLEX_DEEPEP))
+def test_fp4_dispatch_through_flex_on_deepep_is_accepted_by_every_route(tmp_path, capsys, backend):
+    """--moe-token-dispatcher-type flex with DeepEP (either spelling) and --moe-fp4-dispatch: argv, estimate and
+    --dry-run plan it (DeepEP itself is checked where it runs, dispatch/deepep.py), and the estimator counts
+    the packed payload (tests/estimator)."""
+    from megatron_fp4.launch import torchrun
+
+    path = _write(tmp_path, "flex.yaml", f"include: {CONFIGS / 'proxy' / 'gpus2_fp4.yaml'}\n"
+                                         f"moe_token_dispatcher_type: flex\n{FLEX_DEEPEP[backend]}")
+    assert validate_config(load_config(path)) == FP4Options(dispatch=True)
+    assert cli_main(["argv", str(path)]) == 0
+    assert "--moe-token-dispatcher-type flex" in capsys.readouterr().out
+    assert cli_main(["estimate", str(path)]) == 0
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RUN_DIR", str(tmp_path / "run"))
+        for name in ("NNODES", "GPUS_PER_NODE", "RUN_ID", "SLURM_JOB_ID"):
+            patch.delenv(name, raising=False)
+        assert torchrun.main(["--dry-run", str(path)]) == 0
+    assert "--moe-fp4-dispatch" in capsys.readouterr().out
+
+
+def test_every_route_refuses_what_the_fp4_flex_dispatch_does_not_serve(tmp_path, capsys):
+    """Each refusal of the FP4 dispatch through flex, the same sentence on argv, estimate, --dry-run and a
+    launch (the launch's extra flags, the estimate's --set)."""
+    flex = _write(tmp_path, "flex.yaml", f"include: {CONFIGS / 'proxy' / 'gpus2_fp4.yaml'}\n"
+                                         "moe_token_dispatcher_type: flex\nmoe_flex_dispatcher_backend: deepep\n")
+    for extra, sets, sentence in [
+        (["--moe-flex-dispatcher-backend", "ncclep"], ["moe_flex_dispatcher_backend=ncclep"],
+         "--moe-fp4-dispatch through the flex dispatcher serves its DeepEP backend only (got "
+         "--moe-flex-dispatcher-backend ncclep)."),
+        (["--moe-fp4-dispatch-grad", "fp8"], ["moe_fp4_dispatch_grad=fp8"],
+         "--moe-fp4-dispatch-grad fp8 is not served through the flex dispatcher: DeepEP's combine, which carries the "
+         "dispatch's gradient back, is BF16 only; use --moe-fp4-dispatch-grad bf16."),
+        (["--moe-fp4-telemetry"], ["moe_fp4_telemetry=true"],
+         "--moe-fp4-telemetry is not served through the flex dispatcher yet (its byte counts are the alltoall "
+         "dispatcher's rows): drop --moe-fp4-telemetry or use --moe-token-dispatcher-type alltoall."),
+        (["--moe-fp4-cache", "--recompute-granularity", "selective", "--recompute-modules", "moe"],
+         ["moe_fp4_cache=true", "recompute_granularity=selective", "recompute_modules=[moe]"],
+         "--moe-fp4-cache is not served through the flex dispatcher yet (it replays the alltoall dispatcher's "
+         "payload and splits): drop --moe-fp4-cache or use --moe-token-dispatcher-type alltoall."),
+        (["--moe-router-padding-for-quantization"], ["moe_router_padding_for_quantization=true"],
+         "--moe-fp4-dispatch through the flex dispatcher does not pad the experts' token counts as "
+         "--moe-router-padding-for-quantization (or --moe-router-padding-for-fp8) asks: drop that flag."),
+        (["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"],
+         ["moe_expert_capacity_factor=1.0", "moe_pad_expert_input_to_capacity=true"],
+         "--moe-pad-expert-input-to-capacity is not served by the flex dispatcher's DeepEP backend (megatron-core "
+         "refuses it there too): drop it or use --moe-token-dispatcher-type alltoall."),
+    ]:
+        sentences = _refusals(capsys, flex, extra, sets)
+        assert set(sentences.values()) == {sentence}, sentences
+    # Without --bf16 (the config's own line switched off; the estimate's --set does the same).
+    fp32 = _write(tmp_path, "fp32.yaml", f"include: {flex}\nbf16: false\n")
+    sentences = _refusals(capsys, fp32)
+    assert set(sentences.values()) == {
+        "--moe-fp4-dispatch through the flex dispatcher needs --bf16: DeepEP's combine, which also carries the "
+        "dispatch's gradient back, is BF16 only."}, sentences
+    assert set(sentences) == {"argv", "estimate", "dry-run", "launch"}
 
 
 def test_estimate_refuses_an_unknown_flag(capsys):

@@ -117,6 +117,25 @@ def _same_bits(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def assert_fp4_equals_rounded(where, fp4, fp4_saved, rounded, stock, x, gy):
+    """The FP4-dispatch layer (and the same with --moe-fp4-saved-input) against the stock layer fed
+    reference-rounded tokens: output, input gradient and every parameter gradient bit for bit; and
+    the rounding did something (the unrounded stock layer differs)."""
+    out_fp4, dx_fp4, grads_fp4 = _run(fp4, x, gy)
+    out_ref, dx_ref, grads_ref = _run(rounded, x, gy)
+    out_stock, _, _ = _run(stock, x, gy)
+    out_saved, dx_saved, grads_saved = _run(fp4_saved, x, gy)
+    assert not _same_bits(out_fp4, out_stock), f"{where}: FP4 dispatch did not round anything"
+    assert _same_bits(out_fp4, out_ref), f"{where}: forward output differs"
+    assert _same_bits(dx_fp4, dx_ref), f"{where}: input gradient differs"
+    assert grads_fp4.keys() == grads_ref.keys() and len(grads_ref) > 0, f"{where}: parameters differ"
+    for name, g in grads_ref.items():
+        assert _same_bits(grads_fp4[name], g), f"{where}: gradient of {name} differs"
+    assert _same_bits(out_saved, out_fp4) and _same_bits(dx_saved, dx_fp4), f"{where}: saved-input FP4 differs"
+    for name, g in grads_fp4.items():
+        assert _same_bits(grads_saved[name], g), f"{where}: saved-input FP4, gradient of {name} differs"
+
+
 def _check_layout(rank, tp, ep, grad_format, overlap):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -151,19 +170,8 @@ def _check_layout(rank, tp, ep, grad_format, overlap):
             rounded.token_dispatcher.set_shared_experts(rounded.shared_experts)
 
         x, gy = _inputs(dist.get_rank(), tp)
-        out_fp4, dx_fp4, grads_fp4 = _run(fp4, x, gy)
-        out_ref, dx_ref, grads_ref = _run(rounded, x, gy)
-        out_stock, _, _ = _run(stock, x, gy)
-        out_saved, dx_saved, grads_saved = _run(fp4_saved, x, gy)
         where = f"rank {rank} tp={tp} ep={ep} grad={grad_format} overlap={overlap}"
-        assert not _same_bits(out_fp4, out_stock), f"{where}: FP4 dispatch did not round anything"
-        assert _same_bits(out_fp4, out_ref), f"{where}: forward output differs"
-        assert _same_bits(dx_fp4, dx_ref), f"{where}: input gradient differs"
-        for name, g in grads_ref.items():
-            assert _same_bits(grads_fp4[name], g), f"{where}: gradient of {name} differs"
-        assert _same_bits(out_saved, out_fp4) and _same_bits(dx_saved, dx_fp4), f"{where}: saved-input FP4 differs"
-        for name, g in grads_fp4.items():
-            assert _same_bits(grads_saved[name], g), f"{where}: saved-input FP4, gradient of {name} differs"
+        assert_fp4_equals_rounded(where, fp4, fp4_saved, rounded, stock, x, gy)
     finally:
         parallel_state.destroy_model_parallel()
 
