@@ -1,4 +1,4 @@
-"""What FP4MoELayer needs from a token dispatcher (docs/design.md §4), and the values its steps
+"""What FP4MoELayer needs from a token dispatcher (docs/design.md §4.9), and the values its steps
 hand each other.
 
 One pass of the layer (integration/moe_layer.py) runs, in Megatron's MoELayer order:

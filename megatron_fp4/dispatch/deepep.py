@@ -109,12 +109,41 @@ class _MXFP4DeepEPDispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_tokens, grad_probs, _rows, _indices, _counts, _handle):
-        buffer = _buffer(ctx.group, ctx.hidden)
-        grad_x, grad_weights, after = buffer.combine(
-            grad_tokens.contiguous(), ctx.handle, topk_weights=grad_probs.float(), previous_event=_deep_ep_events(),
-            async_finish=True, allocate_on_comm_stream=True)
+        return _combine_back(ctx, grad_tokens, grad_probs) + (None,) * 6
+
+
+def _combine_back(ctx, grad_tokens, grad_probs):
+    """(tokens' gradient, probs' gradient) at the senders: DeepEP's BF16 combine with the dispatch's handle."""
+    buffer = _buffer(ctx.group, ctx.hidden)
+    grad_x, grad_weights, after = buffer.combine(
+        grad_tokens.contiguous(), ctx.handle, topk_weights=grad_probs.float(), previous_event=_deep_ep_events(),
+        async_finish=True, allocate_on_comm_stream=True)
+    after.current_stream_wait()
+    return grad_x.to(ctx.dtype), grad_weights
+
+
+class _ReplayMXFP4DeepEP(torch.autograd.Function):
+    """A recompute's dispatch served by the recompute cache: the tokens are the first pass's payload,
+    only this pass's probs cross DeepEP (Megatron's router sorts its top-k only with grad on, so they
+    can differ from the first pass's by a unit), as x of a dispatch in DeepEP's cached mode (which
+    takes no top-k arguments) with the first pass's handle; backward as an uncached dispatch."""
+
+    @staticmethod
+    def forward(ctx, tokens, probs, rows, received_indices, handle, group, scale_rule, dequantize):
+        hidden, topk = tokens.shape[1], probs.shape[1]
+        sent = probs.new_zeros(probs.shape[0], -(-topk // 4) * 4)  # whole 16-byte rows, as DeepEP requires
+        sent[:, :topk] = probs
+        received, _, _, _, _, after = _buffer(group, hidden).dispatch(
+            sent, handle=handle, previous_event=_deep_ep_events(), async_finish=True, allocate_on_comm_stream=True)
         after.current_stream_wait()
-        return grad_x.to(ctx.dtype), grad_weights, None, None, None, None, None, None
+        # As DeepEP's own dispatch delivers them: zero where the expert is on another rank.
+        received_probs = received[:, :topk].masked_fill(received_indices == -1, 0.0)
+        ctx.group, ctx.handle, ctx.hidden, ctx.dtype = group, handle, hidden, tokens.dtype
+        return received_tokens(MXFP4Tensor(rows, hidden, scale_rule), tokens.dtype, dequantize), received_probs
+
+    @staticmethod
+    def backward(ctx, grad_tokens, grad_probs):
+        return _combine_back(ctx, grad_tokens, grad_probs) + (None,) * 6
 
 
 def dispatch_mxfp4(tokens: torch.Tensor, payload: MXFP4Tensor, indices: torch.Tensor, probs: torch.Tensor,
@@ -132,4 +161,13 @@ def dispatch_mxfp4(tokens: torch.Tensor, payload: MXFP4Tensor, indices: torch.Te
     return received, recv_probs, MXFP4Tensor(rows, payload.hidden, payload.scale_rule), recv_indices, counts, handle
 
 
-__all__ = ["COVERED_DEEP_EP", "dispatch_mxfp4", "pack_for_fp8_slot", "require_covered_deep_ep", "unpack_from_fp8_slot"]
+def replay_mxfp4(tokens: torch.Tensor, probs: torch.Tensor, cached: MXFP4Tensor, received_indices: torch.Tensor,
+                 handle, group, dequantize: bool):
+    """The recompute of a dispatch_mxfp4 whose first pass was cached: (received tokens, received probs)
+    as that dispatch would return them, from the cached payload and received indices and DeepEP's
+    handle of the first pass; only `probs` [T, K] is sent."""
+    return _ReplayMXFP4DeepEP.apply(tokens, probs, cached.rows, received_indices, handle, group, cached.scale_rule,
+                                    dequantize)
+
+
+__all__ = ["COVERED_DEEP_EP", "dispatch_mxfp4", "replay_mxfp4", "pack_for_fp8_slot", "require_covered_deep_ep", "unpack_from_fp8_slot"]

@@ -7,7 +7,8 @@ experts), on the receiving rank the rows permuted by local expert, and back: unp
 BF16 combine with the dispatch's handle, the original shape, the shared experts. What Megatron keeps
 on its manager between those steps (indices, probs, handle, permutation) travels here in values
 (`SparseRoute`, `FlexDispatch`, `FlexCombine`; dispatch/contract.py). The experts get the
-received payload sorted like their tokens (FP8 experts compute from it).
+received payload sorted like their tokens (FP8 experts compute from it). A recompute served by
+the cache (--moe-fp4-cache) sends only its probs (deepep.replay_mxfp4).
 """
 
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatche
 from ..kernels import quantize_mxfp4
 from ..options import FP4Options, ModelSettings, Route, validate
 from ..tensors import MXFP4Tensor
+from .cache import CachedDispatch, DispatchCacheError
 from .contract import ExpertsInput, ReceivedTokens
-from .deepep import dispatch_mxfp4, require_covered_deep_ep
+from .deepep import dispatch_mxfp4, replay_mxfp4, require_covered_deep_ep
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,14 @@ class SparseRoute:
 @dataclass(frozen=True)
 class FlexDispatch:
     """One DeepEP dispatch: its handle, the received rows' expert indices relative to this rank
-    (-1 elsewhere), tokens per local expert (host), the layer input's shape."""
+    (-1 elsewhere), tokens per local expert (host), the layer input's shape, and the sent route's
+    indices (what a recompute served by the cache must route the same)."""
 
     deepep_handle: object
     indices: torch.Tensor
     tokens_per_expert: torch.Tensor
     hidden_shape: torch.Size
+    route_indices: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -101,20 +105,42 @@ class FP4FlexTokenDispatcher(MoETokenDispatcher):
             indices = indices.masked_fill(top_probs == 0, -1)
         return tokens, SparseRoute(indices, top_probs.float(), hidden_shape)
 
-    def dispatch_fp4(self, tokens, route: SparseRoute, dequantize: bool, replay=None,
+    def dispatch_fp4(self, tokens, route: SparseRoute, dequantize: bool, replay: Optional[CachedDispatch] = None,
                      wire: Optional[MXFP4Tensor] = None):
-        """(ReceivedTokens, received probs [R, K]). The tokens are quantized here (once per token)."""
-        if replay is not None or wire is not None:
-            raise NotImplementedError("the flex dispatcher neither replays cached dispatches nor takes pre-permuted rows")
+        """(ReceivedTokens, received probs [R, K]). The tokens are quantized here (once per token); with
+        `replay` (a recompute whose first pass the cache kept) only the probs are sent."""
+        if wire is not None:
+            raise NotImplementedError("the flex dispatcher quantizes in its dispatch, not before a permute")
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        payload = quantize_mxfp4(tokens, self.options.scale_rule)
-        received, probs, received_payload, indices, counts, handle = dispatch_mxfp4(
-            tokens, payload, route.indices, route.probs, self.group_experts, self.tp_ep_group, dequantize)
+        if replay is None:
+            payload = quantize_mxfp4(tokens, self.options.scale_rule)
+            received, probs, received_payload, indices, counts, handle = dispatch_mxfp4(
+                tokens, payload, route.indices, route.probs, self.group_experts, self.tp_ep_group, dequantize)
+            dispatch = FlexDispatch(handle, indices, counts, route.hidden_shape, route.indices)
+        else:
+            dispatch, received_payload = self._check_replay(replay, tokens, route), replay.payload
+            received, probs = replay_mxfp4(tokens, route.probs, received_payload, dispatch.indices,
+                                           dispatch.deepep_handle, self.tp_ep_group, dequantize)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(tokens, wait_current_stream=False)
             self.shared_experts.linear_fc1_forward_and_act(received)
-        return ReceivedTokens(received, received_payload, FlexDispatch(handle, indices, counts, route.hidden_shape)), probs
+        return ReceivedTokens(received, received_payload, dispatch), probs
+
+    @staticmethod
+    def _check_replay(replay: CachedDispatch, tokens, route: SparseRoute) -> FlexDispatch:
+        """The cached dispatch, where the recompute routes as its first pass did: its width and shape
+        checked on the host, its expert indices on the device (no host sync; a mismatch stops the
+        process at the next synchronization)."""
+        cached: FlexDispatch = replay.handle
+        if replay.payload.hidden != tokens.shape[1] or cached.route_indices.shape != route.indices.shape:
+            raise DispatchCacheError(
+                f"the cached dispatch does not match the recompute (hidden {replay.payload.hidden} vs "
+                f"{tokens.shape[1]}, route {tuple(cached.route_indices.shape)} vs {tuple(route.indices.shape)}): "
+                "routing changed between the passes")
+        torch._assert_async((cached.route_indices == route.indices).all(),
+                            "megatron_fp4: the recompute routed differently from the cached first pass")
+        return cached
 
     def experts_input(self, received: ReceivedTokens, probs, sort_payload: bool) -> ExpertsInput:
         """The received rows permuted by local expert (Megatron's permute, as its flex dispatcher

@@ -154,10 +154,6 @@ REFUSALS = (
             lambda o, m, e, r: _flex(o, m) and o.dispatch_grad is GradFormat.FP8,
             "--moe-fp4-dispatch-grad fp8 is not served through the flex dispatcher: DeepEP's combine, which carries "
             "the dispatch's gradient back, is BF16 only; use --moe-fp4-dispatch-grad bf16."),
-    Refusal("the flex dispatcher with --moe-fp4-cache",
-            lambda o, m, e, r: _flex(o, m) and o.cache,
-            "--moe-fp4-cache is not served through the flex dispatcher yet (it replays the alltoall dispatcher's "
-            "payload and splits): drop --moe-fp4-cache or use --moe-token-dispatcher-type alltoall."),
     Refusal("the flex dispatcher with --moe-fp4-telemetry",
             lambda o, m, e, r: _flex(o, m) and o.telemetry,
             "--moe-fp4-telemetry is not served through the flex dispatcher yet (its byte counts are the alltoall "

@@ -7,7 +7,7 @@ import torch
 
 from support.two_ranks import run_on_two_ranks
 
-SCENARIO_NAMES = ["bf16-experts", "fp8-experts", "wire"]
+SCENARIO_NAMES = ["bf16-experts", "fp8-experts", "wire", "cache-bf16-experts", "cache-fp8-experts"]
 TIMEOUT_S = 600
 
 

@@ -198,6 +198,7 @@ def test_fp4_dispatch_through_flex_on_deepep_is_accepted(backend):
     # The FP8 experts fed from the received payload, the saved input, the scale rule: served through flex.
     _check(_flex(**backend, moe_fp4_experts="fp8", swiglu=True, add_bias_linear=False, moe_ffn_hidden_size=2048))
     _check(_flex(**backend, moe_fp4_saved_input=True, moe_fp4_scale_rule="floor"))
+    _check(_flex(**backend, moe_fp4_cache=True, recompute_granularity="selective", recompute_modules=["moe"]))
     validate(FP4Options(dispatch=True), ModelSettings.from_args(_flex(**backend)), None, Route.PLUGIN)
 
 
@@ -211,9 +212,6 @@ def test_fp4_dispatch_through_flex_on_deepep_is_accepted(backend):
     ({"moe_fp4_dispatch_grad": "fp8"},
      "--moe-fp4-dispatch-grad fp8 is not served through the flex dispatcher: DeepEP's combine, which carries the "
      "dispatch's gradient back, is BF16 only; use --moe-fp4-dispatch-grad bf16."),
-    ({"moe_fp4_cache": True, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
-     "--moe-fp4-cache is not served through the flex dispatcher yet (it replays the alltoall dispatcher's payload "
-     "and splits): drop --moe-fp4-cache or use --moe-token-dispatcher-type alltoall."),
     ({"moe_fp4_telemetry": True},
      "--moe-fp4-telemetry is not served through the flex dispatcher yet (its byte counts are the alltoall "
      "dispatcher's rows): drop --moe-fp4-telemetry or use --moe-token-dispatcher-type alltoall."),
@@ -235,7 +233,7 @@ def test_fp4_dispatch_through_flex_on_deepep_is_accepted(backend):
     ({"bf16": False, "fp16": True},  # the sentence for --fp16 with the dispatch, whatever the dispatcher
      "--moe-fp4-dispatch, --moe-fp4-experts fp8 and --moe-fp4-linears fp8 run on BF16 activations (MXFP4 values "
      "can overflow float16 and the FP8 GEMMs write BF16): use --bf16 instead of --fp16."),
-], ids=["hybridep", "ncclep", "grad-fp8", "cache", "telemetry", "padding-for-quantization", "padding-for-fp8",
+], ids=["hybridep", "ncclep", "grad-fp8", "telemetry", "padding-for-quantization", "padding-for-fp8",
         "pad-to-capacity", "one-expert-rank", "fp32", "fp16"])
 def test_fp4_dispatch_through_flex_refuses_what_it_does_not_serve(overrides, sentence):
     for planned in (False, True):  # a launch on this machine, and a plan for another (estimate, --dry-run)

@@ -290,10 +290,6 @@ def test_every_route_refuses_what_the_fp4_flex_dispatch_does_not_serve(tmp_path,
         (["--moe-fp4-telemetry"], ["moe_fp4_telemetry=true"],
          "--moe-fp4-telemetry is not served through the flex dispatcher yet (its byte counts are the alltoall "
          "dispatcher's rows): drop --moe-fp4-telemetry or use --moe-token-dispatcher-type alltoall."),
-        (["--moe-fp4-cache", "--recompute-granularity", "selective", "--recompute-modules", "moe"],
-         ["moe_fp4_cache=true", "recompute_granularity=selective", "recompute_modules=[moe]"],
-         "--moe-fp4-cache is not served through the flex dispatcher yet (it replays the alltoall dispatcher's "
-         "payload and splits): drop --moe-fp4-cache or use --moe-token-dispatcher-type alltoall."),
         (["--moe-router-padding-for-quantization"], ["moe_router_padding_for_quantization=true"],
          "--moe-fp4-dispatch through the flex dispatcher does not pad the experts' token counts as "
          "--moe-router-padding-for-quantization (or --moe-router-padding-for-fp8) asks: drop that flag."),

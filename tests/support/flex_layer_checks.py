@@ -10,6 +10,9 @@ reference right before DeepEP's dispatch (straight-through gradient):
 - fp8-experts: our FP8 experts fed from the received payload: the output bit for bit equal to the same
   experts behind the rounded stock flex dispatcher (which quantize the BF16 tokens themselves),
   gradients within the error of saving SwiGLU and fc2 inputs in MXFP4 (as moe_layer_checks).
+- cache-bf16-experts / cache-fp8-experts: --moe-fp4-cache, four micro-batches through a checkpointed
+  layer: the same bits with the cache on and off, and the cached recomputes send no MXFP4 dispatch
+  (only their probs, through DeepEP's cached mode).
 - wire: what crossed DeepEP's dispatch was the MXFP4 payload in its FP8 slot (E4M3 [T, H/2] and
   float32 [T, H/128]), once per forward, and its combine carried BF16 back (forward and backward).
 """
@@ -23,12 +26,12 @@ R = 2
 HIDDEN, EXPERTS, TOPK, FFN, TOKENS_PER_RANK = 256, 4, 2, 128, 64
 
 
-def _config():
+def _config(**extra):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        **extra, num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
         moe_ffn_hidden_size=FFN, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep",
         moe_router_dtype="fp32", moe_aux_loss_coeff=1e-2, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
@@ -178,7 +181,51 @@ def _check_wire(rank):
     assert seen == expected, f"rank {rank}: DeepEP was handed {seen}"
 
 
-SCENARIOS = {"bf16-experts": _check_bf16_experts, "fp8-experts": _check_fp8_experts, "wire": _check_wire}
+def _check_cache(rank, experts):
+    """--moe-fp4-cache through flex: a layer checkpointed with recompute_modules ["moe"], four
+    micro-batches in flight, gives the same outputs and gradients bit for bit with the cache on and
+    off, and with it on the recomputes send no MXFP4 dispatch through DeepEP (counted)."""
+    import deep_ep
+
+    from megatron_fp4.integration.standalone import build_moe_layer
+    from megatron_fp4.options import FP4Options
+    from support.moe_layer_checks import MICRO_BATCHES, _checkpointed_steps, _same_bits
+
+    sends = []  # torch.uint8 for each MXFP4 dispatch DeepEP is handed, as _checkpointed_steps counts
+    real_dispatch = deep_ep.Buffer.dispatch
+
+    def dispatch(self, x, *args, **kwargs):
+        sends.append(torch.uint8 if isinstance(x, tuple) else x.dtype)
+        return real_dispatch(self, x, *args, **kwargs)
+
+    deep_ep.Buffer.dispatch = dispatch
+    try:
+        with _parallel_state():
+            config = _config(recompute_granularity="selective", recompute_modules=["moe"], hidden_dropout=0.0,
+                             attention_dropout=0.0)
+            uncached = build_moe_layer(config, FP4Options(dispatch=True, experts=experts)).cuda()
+            cached = build_moe_layer(config, FP4Options(dispatch=True, cache=True, experts=experts)).cuda()
+            cached.load_state_dict(uncached.state_dict())
+            assert cached.moe_layer_recompute
+            pairs = [_inputs(10 * rank + m) for m in range(MICRO_BATCHES)]
+            inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+            out_u, dx_u, dw_u, sends_u = _checkpointed_steps(uncached, inputs, grads, sends)
+            out_c, dx_c, dw_c, sends_c = _checkpointed_steps(cached, inputs, grads, sends)
+    finally:
+        deep_ep.Buffer.dispatch = real_dispatch
+    where = f"rank {rank} flex cache, {experts} experts"
+    assert sends_u == MICRO_BATCHES, f"{where}: the uncached recomputes sent {sends_u} MXFP4 dispatches"
+    assert sends_c == 0, f"{where}: the cached recomputes still sent {sends_c} MXFP4 dispatches"
+    assert len(cached.recompute_cache) == 0, f"{where}: entries left after backward"
+    for a, b in zip(out_c + dx_c, out_u + dx_u):
+        assert _same_bits(a, b), f"{where}: outputs or input gradients differ"
+    for name, g in dw_u.items():
+        assert _same_bits(dw_c[name], g), f"{where}: gradient of {name} differs"
+
+
+SCENARIOS = {"bf16-experts": _check_bf16_experts, "fp8-experts": _check_fp8_experts, "wire": _check_wire,
+             "cache-bf16-experts": lambda rank: _check_cache(rank, "bf16"),
+             "cache-fp8-experts": lambda rank: _check_cache(rank, "fp8")}
 
 
 def run_scenarios(rank: int, scratch: str, names, results: str) -> None:
