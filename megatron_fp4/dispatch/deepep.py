@@ -94,10 +94,13 @@ class _MXFP4DeepEPDispatch(torch.autograd.Function):
         hidden = tokens.shape[1]
         buffer = _buffer(group, hidden)
         async_calls = {"async_finish": True, "allocate_on_comm_stream": True}
+        # Packed before the layout's event is recorded: DeepEP's stream waits on that event alone,
+        # not on the compute stream, so a copy launched after it could still be running when sent.
+        sent = pack_for_fp8_slot(MXFP4Tensor(rows, hidden, scale_rule))
         per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(
             indices, num_experts, previous_event=_deep_ep_events(), **async_calls)
         (codes, scales), recv_indices, recv_probs, counts, handle, after = buffer.dispatch(
-            pack_for_fp8_slot(MXFP4Tensor(rows, hidden, scale_rule)), topk_idx=indices, topk_weights=probs,
+            sent, topk_idx=indices, topk_weights=probs,
             num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, previous_event=event, **async_calls)
         after.current_stream_wait()
@@ -131,7 +134,8 @@ class _ReplayMXFP4DeepEP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, probs, rows, received_indices, handle, group, scale_rule, dequantize):
         hidden, topk = tokens.shape[1], probs.shape[1]
-        sent = probs.new_zeros(probs.shape[0], -(-topk // 4) * 4)  # whole 16-byte rows, as DeepEP requires
+        # Rows of whole 32 bytes: DeepEP's intranode kernel asserts it (its Python API checks 16).
+        sent = probs.new_zeros(probs.shape[0], -(-topk // 8) * 8)
         sent[:, :topk] = probs
         received, _, _, _, _, after = _buffer(group, hidden).dispatch(
             sent, handle=handle, previous_event=_deep_ep_events(), async_finish=True, allocate_on_comm_stream=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-from megatron.core.transformer.moe.moe_utils import permute, unpermute
+from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
 
 from ..kernels import quantize_mxfp4
@@ -57,6 +57,7 @@ class FlexCombine:
     deepep_handle: object
     reversed_mapping: torch.Tensor
     routing_map: torch.Tensor
+    pad_offsets: Optional[torch.Tensor]  # Transformer Engine's padded fused permute, else None
     restore_shape: torch.Size
     hidden_shape: torch.Size
 
@@ -71,6 +72,13 @@ def _multihot(indices: torch.Tensor, probs: torch.Tensor, num_local_experts: int
     routing_map[row_of, indices[here]] = True
     dense_probs[row_of, indices[here]] = probs[here].float()
     return routing_map, dense_probs
+
+
+def _in_cached_order(route: SparseRoute, cached_indices: torch.Tensor) -> torch.Tensor:
+    """The recompute's probs [T, K] in the columns of the cached first pass's indices (the same experts
+    per row, checked by _check_replay, possibly in another order), which the received indices follow."""
+    column = (cached_indices.unsqueeze(2) == route.indices.unsqueeze(1)).int().argmax(dim=2)
+    return route.probs.gather(1, column)
 
 
 class FP4FlexTokenDispatcher(MoETokenDispatcher):
@@ -120,8 +128,8 @@ class FP4FlexTokenDispatcher(MoETokenDispatcher):
             dispatch = FlexDispatch(handle, indices, counts, route.hidden_shape, route.indices)
         else:
             dispatch, received_payload = self._check_replay(replay, tokens, route), replay.payload
-            received, probs = replay_mxfp4(tokens, route.probs, received_payload, dispatch.indices,
-                                           dispatch.deepep_handle, self.tp_ep_group, dequantize)
+            received, probs = replay_mxfp4(tokens, _in_cached_order(route, dispatch.route_indices), received_payload,
+                                           dispatch.indices, dispatch.deepep_handle, self.tp_ep_group, dequantize)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(tokens, wait_current_stream=False)
             self.shared_experts.linear_fc1_forward_and_act(received)
@@ -138,7 +146,9 @@ class FP4FlexTokenDispatcher(MoETokenDispatcher):
                 f"the cached dispatch does not match the recompute (hidden {replay.payload.hidden} vs "
                 f"{tokens.shape[1]}, route {tuple(cached.route_indices.shape)} vs {tuple(route.indices.shape)}): "
                 "routing changed between the passes")
-        torch._assert_async((cached.route_indices == route.indices).all(),
+        # The same experts per token; their order within a row may differ (top-k of probs one unit apart).
+        sorted_cached, sorted_now = cached.route_indices.sort(dim=1).values, route.indices.sort(dim=1).values
+        torch._assert_async((sorted_cached == sorted_now).all(),
                             "megatron_fp4: the recompute routed differently from the cached first pass")
         return cached
 
@@ -149,10 +159,14 @@ class FP4FlexTokenDispatcher(MoETokenDispatcher):
         routing_map, dense_probs = _multihot(dispatch.indices, probs, self.num_local_experts)
         tokens_per_expert = dispatch.tokens_per_expert
         num_out = int(tokens_per_expert.sum())
-        tokens, permuted_probs, mapping, _, _ = permute(
+        tokens, permuted_probs, mapping, pad_offsets, tokens_per_expert = permute(
             received.tokens, routing_map, probs=dense_probs, num_out_tokens=num_out,
-            fused=self.config.moe_permute_fusion)
+            fused=self.config.moe_permute_fusion, tokens_per_expert=tokens_per_expert,
+            align_size=get_align_size_for_quantization(self.config))
         payload = None
+        if sort_payload and pad_offsets is not None:
+            raise NotImplementedError("the FP4 flex dispatcher does not sort the payload like Transformer Engine's "
+                                      "padded fused permute: drop --moe-permute-fusion with this precision recipe")
         if sort_payload:
             rows = mapping
             if self.config.moe_permute_fusion:  # the fused permute's mapping is not a row list: take the plain one
@@ -160,13 +174,15 @@ class FP4FlexTokenDispatcher(MoETokenDispatcher):
             payload = received.payload.select_tokens(rows)
         if self.config.moe_router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
-        handle = FlexCombine(dispatch.deepep_handle, mapping, routing_map, received.tokens.shape, dispatch.hidden_shape)
+        handle = FlexCombine(dispatch.deepep_handle, mapping, routing_map, pad_offsets, received.tokens.shape,
+                             dispatch.hidden_shape)
         return ExpertsInput(tokens, tokens_per_expert, permuted_probs, payload, handle)
 
     def combine_preprocess_fp4(self, output, handle: FlexCombine):
         """Each received token's local experts' rows added (Megatron's unpermute)."""
         return unpermute(output, handle.reversed_mapping, restore_shape=handle.restore_shape,
-                         routing_map=handle.routing_map, fused=self.config.moe_permute_fusion)
+                         routing_map=handle.routing_map, fused=self.config.moe_permute_fusion,
+                         pad_offsets=handle.pad_offsets)
 
     def token_combine_fp4(self, output, handle: FlexCombine):
         """DeepEP's BF16 combine with the dispatch's handle (Megatron's fused_combine)."""

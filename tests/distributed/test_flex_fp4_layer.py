@@ -7,7 +7,8 @@ import torch
 
 from support.two_ranks import run_on_two_ranks
 
-SCENARIO_NAMES = ["bf16-experts", "fp8-experts", "wire", "cache-bf16-experts", "cache-fp8-experts"]
+SCENARIO_NAMES = ["bf16-experts", "shared-expert", "shared-expert-overlap", "fp8-experts", "wire", "cache-bf16-experts",
+                  "cache-fp8-experts", "cache-transformer-layer-fp8-experts"]
 TIMEOUT_S = 600
 
 

@@ -10,8 +10,11 @@ reference right before DeepEP's dispatch (straight-through gradient):
 - fp8-experts: our FP8 experts fed from the received payload: the output bit for bit equal to the same
   experts behind the rounded stock flex dispatcher (which quantize the BF16 tokens themselves),
   gradients within the error of saving SwiGLU and fc2 inputs in MXFP4 (as moe_layer_checks).
-- cache-bf16-experts / cache-fp8-experts: --moe-fp4-cache, four micro-batches through a checkpointed
-  layer: the same bits with the cache on and off, and the cached recomputes send no MXFP4 dispatch
+- shared-expert / shared-expert-overlap: the same with a shared expert, computed apart or overlapped
+  with the dispatch (Megatron's overlap hooks called where its flex dispatcher calls them).
+- cache-bf16-experts / cache-fp8-experts / cache-transformer-layer-fp8-experts: --moe-fp4-cache, four
+  micro-batches through a checkpointed MoE layer (recompute ["moe"]) or a whole transformer layer
+  (["layernorm", "moe"], the public recipe's pair): the same bits with the cache on and off, and the cached recomputes send no MXFP4 dispatch
   (only their probs, through DeepEP's cached mode).
 - wire: what crossed DeepEP's dispatch was the MXFP4 payload in its FP8 slot (E4M3 [T, H/2] and
   float32 [T, H/128]), once per forward, and its combine carried BF16 back (forward and backward).
@@ -48,20 +51,22 @@ def _inputs(rank):
 
 
 def _rounded_flex_dispatcher(layer, config):
-    """Megatron's flex dispatcher whose tokens are rounded to MXFP4 by the reference before DeepEP."""
+    """Megatron's flex dispatcher whose tokens are rounded to MXFP4 by the reference right before
+    DeepEP (inside its DeepEP manager's dispatch: an overlapped shared expert, which the dispatcher
+    hands the tokens it was given, still sees them unrounded, as in a stock run)."""
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
     from support.moe_layer_checks import _RoundToMXFP4
 
-    class RoundedFlex(MoEFlexTokenDispatcher):
-        def token_dispatch(self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True):
-            return super().token_dispatch(_RoundToMXFP4.apply(hidden_states, "ceil"), probs, async_finish,
-                                          allocate_on_comm_stream)
-
     old = layer.token_dispatcher
-    return RoundedFlex(old.num_local_experts, old.local_expert_indices, config=config,
-                       pg_collection=get_default_pg_collection())
+    dispatcher = MoEFlexTokenDispatcher(old.num_local_experts, old.local_expert_indices, config=config,
+                                        pg_collection=get_default_pg_collection())
+    manager = dispatcher._comm_manager
+    send = manager.dispatch
+    manager.dispatch = lambda hidden_states, *args, **kwargs: send(_RoundToMXFP4.apply(hidden_states, "ceil"),
+                                                                   *args, **kwargs)
+    return dispatcher
 
 
 def _run(layer, x, gy):
@@ -88,14 +93,15 @@ def _parallel_state():
         parallel_state.destroy_model_parallel()
 
 
-def _check_bf16_experts(rank):
+def _check_bf16_experts(rank, shared=False, overlap=False):
     from megatron_fp4.dispatch.flex import FP4FlexTokenDispatcher
     from megatron_fp4.integration.standalone import build_moe_layer
     from megatron_fp4.options import FP4Options
     from support.moe_layer_checks import assert_fp4_equals_rounded
 
     with _parallel_state():
-        config = _config()
+        config = _config(**({"moe_shared_expert_intermediate_size": FFN, "moe_shared_expert_overlap": overlap}
+                            if shared else {}))
         fp4 = build_moe_layer(config, FP4Options(dispatch=True)).cuda()
         fp4_saved = build_moe_layer(config, FP4Options(dispatch=True, saved_input=True)).cuda()
         stock = build_moe_layer(config).cuda()
@@ -104,8 +110,12 @@ def _check_bf16_experts(rank):
         for layer in (fp4_saved, stock, rounded):
             layer.load_state_dict(fp4.state_dict())
         rounded.token_dispatcher = _rounded_flex_dispatcher(rounded, config)
+        if overlap:
+            rounded.token_dispatcher.set_shared_experts(rounded.shared_experts)
+        assert (fp4.shared_experts is not None) == shared
         x, gy = _inputs(rank)
-        assert_fp4_equals_rounded(f"rank {rank} flex, BF16 experts", fp4, fp4_saved, rounded, stock, x, gy)
+        where = f"rank {rank} flex, BF16 experts, shared expert {shared}, overlap {overlap}"
+        assert_fp4_equals_rounded(where, fp4, fp4_saved, rounded, stock, x, gy)
 
 def _check_fp8_experts(rank):
     from megatron_fp4.experts import FP8Experts
@@ -181,15 +191,19 @@ def _check_wire(rank):
     assert seen == expected, f"rank {rank}: DeepEP was handed {seen}"
 
 
-def _check_cache(rank, experts):
+def _check_cache(rank, experts, whole_layer=False):
     """--moe-fp4-cache through flex: a layer checkpointed with recompute_modules ["moe"], four
     micro-batches in flight, gives the same outputs and gradients bit for bit with the cache on and
     off, and with it on the recomputes send no MXFP4 dispatch through DeepEP (counted)."""
     import deep_ep
 
-    from megatron_fp4.integration.standalone import build_moe_layer
+    from megatron_fp4.integration.standalone import build_moe_layer, build_transformer_layer
     from megatron_fp4.options import FP4Options
-    from support.moe_layer_checks import MICRO_BATCHES, _checkpointed_steps, _same_bits
+    from support.moe_layer_checks import (MICRO_BATCHES, _checkpointed_steps, _layernorm_recompute_without_transformer_engine,
+                                          _same_bits)
+
+    build = build_transformer_layer if whole_layer else build_moe_layer
+    modules = ["layernorm", "moe"] if whole_layer else ["moe"]
 
     sends = []  # torch.uint8 for each MXFP4 dispatch DeepEP is handed, as _checkpointed_steps counts
     real_dispatch = deep_ep.Buffer.dispatch
@@ -200,23 +214,26 @@ def _check_cache(rank, experts):
 
     deep_ep.Buffer.dispatch = dispatch
     try:
-        with _parallel_state():
-            config = _config(recompute_granularity="selective", recompute_modules=["moe"], hidden_dropout=0.0,
+        with _parallel_state(), _layernorm_recompute_without_transformer_engine():
+            config = _config(recompute_granularity="selective", recompute_modules=modules, hidden_dropout=0.0,
                              attention_dropout=0.0)
-            uncached = build_moe_layer(config, FP4Options(dispatch=True, experts=experts)).cuda()
-            cached = build_moe_layer(config, FP4Options(dispatch=True, cache=True, experts=experts)).cuda()
+            uncached = build(config, FP4Options(dispatch=True, experts=experts)).cuda()
+            cached = build(config, FP4Options(dispatch=True, cache=True, experts=experts)).cuda()
+            if whole_layer:  # its layer norms are built in FP32; Megatron's Float16Module casts the model
+                uncached, cached = uncached.bfloat16(), cached.bfloat16()
             cached.load_state_dict(uncached.state_dict())
-            assert cached.moe_layer_recompute
+            moe = cached.mlp if whole_layer else cached
+            assert moe.moe_layer_recompute and (cached.recompute_pre_mlp_layernorm if whole_layer else True)
             pairs = [_inputs(10 * rank + m) for m in range(MICRO_BATCHES)]
             inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
             out_u, dx_u, dw_u, sends_u = _checkpointed_steps(uncached, inputs, grads, sends)
             out_c, dx_c, dw_c, sends_c = _checkpointed_steps(cached, inputs, grads, sends)
     finally:
         deep_ep.Buffer.dispatch = real_dispatch
-    where = f"rank {rank} flex cache, {experts} experts"
+    where = f"rank {rank} flex cache, recompute {modules}, {experts} experts"
     assert sends_u == MICRO_BATCHES, f"{where}: the uncached recomputes sent {sends_u} MXFP4 dispatches"
     assert sends_c == 0, f"{where}: the cached recomputes still sent {sends_c} MXFP4 dispatches"
-    assert len(cached.recompute_cache) == 0, f"{where}: entries left after backward"
+    assert len(moe.recompute_cache) == 0, f"{where}: entries left after backward"
     for a, b in zip(out_c + dx_c, out_u + dx_u):
         assert _same_bits(a, b), f"{where}: outputs or input gradients differ"
     for name, g in dw_u.items():
@@ -224,8 +241,11 @@ def _check_cache(rank, experts):
 
 
 SCENARIOS = {"bf16-experts": _check_bf16_experts, "fp8-experts": _check_fp8_experts, "wire": _check_wire,
+             "shared-expert": lambda rank: _check_bf16_experts(rank, shared=True),
+             "shared-expert-overlap": lambda rank: _check_bf16_experts(rank, shared=True, overlap=True),
              "cache-bf16-experts": lambda rank: _check_cache(rank, "bf16"),
-             "cache-fp8-experts": lambda rank: _check_cache(rank, "fp8")}
+             "cache-fp8-experts": lambda rank: _check_cache(rank, "fp8"),
+             "cache-transformer-layer-fp8-experts": lambda rank: _check_cache(rank, "fp8", whole_layer=True)}
 
 
 def run_scenarios(rank: int, scratch: str, names, results: str) -> None:

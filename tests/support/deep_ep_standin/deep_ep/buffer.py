@@ -232,6 +232,8 @@ class Buffer:
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         assert x.dim() == 2 and x.is_contiguous(), "x must be a contiguous [tokens, hidden] tensor"
         assert x.size(1) * x.element_size() % 16 == 0, "x's rows must be a multiple of 16 bytes"
+        # DeepEP's intranode dispatch kernel (v1.2.1 intranode.cu:235) device-asserts whole 32-byte rows.
+        assert x.size(1) * x.element_size() % 32 == 0, "x's rows must be a multiple of 32 bytes (intranode kernel)"
         if x_scales is not None:
             assert x.element_size() == 1, "x with scales must have 1-byte elements (FP8)"
             assert x_scales.dtype in (torch.float32, torch.int32), "x scales must be float32 or int32"
