@@ -5,7 +5,7 @@ One pass of the layer (integration/moe_layer.py) runs, in Megatron's MoELayer or
 
     dispatch_preprocess / permute_quantized  -> tokens to send (and the probs, or the route)
     dispatch_fp4(tokens, probs, ...)          -> ReceivedTokens (with the dispatch's `handle`)
-    experts_input(received, probs)            -> ExpertsInput (with the combine's `handle`)
+    experts_input(received, probs, sort_payload) -> ExpertsInput (with the combine's `handle`)
     experts
     combine_preprocess_fp4(output, handle) -> token_combine_fp4(output, handle)
         -> combine_postprocess_fp4(output, handle)
@@ -59,7 +59,7 @@ class ExpertsInput:
     tokens: torch.Tensor
     tokens_per_expert: torch.Tensor
     probs: torch.Tensor
-    payload: MXFP4Tensor
+    payload: Optional[MXFP4Tensor]
     handle: Any
 
 
@@ -86,8 +86,9 @@ class FP4Dispatcher(Protocol):
                      wire: Optional[MXFP4Tensor] = None) -> Tuple[ReceivedTokens, Any]:
         """Send the tokens in MXFP4 (or replay a cached dispatch); (ReceivedTokens, received probs)."""
 
-    def experts_input(self, received: ReceivedTokens, probs: Any) -> ExpertsInput:
-        """The received rows sorted like the local experts, with the combine's handle."""
+    def experts_input(self, received: ReceivedTokens, probs: Any, sort_payload: bool) -> ExpertsInput:
+        """The received rows sorted like the local experts, with the combine's handle; the payload
+        sorted the same way only where sort_payload (else ExpertsInput.payload is None)."""
 
     def combine_preprocess_fp4(self, output: torch.Tensor, handle: Any) -> torch.Tensor:
         """The experts' output back in the order the wire delivered its rows."""

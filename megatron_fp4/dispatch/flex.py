@@ -16,7 +16,8 @@ from typing import List, Optional
 
 import torch
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, permute, unpermute
-from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
+from megatron.core.transformer.moe.token_dispatcher import (MoEFlexTokenDispatcher, MoETokenDispatcher,
+                                                            _DeepepManager)
 
 from ..kernels import quantize_mxfp4
 from ..options import FP4Options, ModelSettings, Route, validate
@@ -60,18 +61,6 @@ class FlexCombine:
     pad_offsets: Optional[torch.Tensor]  # Transformer Engine's padded fused permute, else None
     restore_shape: torch.Size
     hidden_shape: torch.Size
-
-
-def _multihot(indices: torch.Tensor, probs: torch.Tensor, num_local_experts: int):
-    """[R, K] local indices (-1: not here) -> (routing map [R, E_local] bool, probs [R, E_local] float32)."""
-    rows = indices.shape[0]
-    here = indices != -1
-    row_of = torch.arange(rows, device=indices.device).repeat_interleave(here.sum(dim=1))
-    routing_map = torch.zeros(rows, num_local_experts, dtype=torch.bool, device=indices.device)
-    dense_probs = torch.zeros(rows, num_local_experts, dtype=torch.float32, device=indices.device)
-    routing_map[row_of, indices[here]] = True
-    dense_probs[row_of, indices[here]] = probs[here].float()
-    return routing_map, dense_probs
 
 
 def _in_cached_order(route: SparseRoute, cached_indices: torch.Tensor) -> torch.Tensor:
@@ -156,7 +145,8 @@ class FP4FlexTokenDispatcher(MoETokenDispatcher):
         """The received rows permuted by local expert (Megatron's permute, as its flex dispatcher
         calls it), the payload rows in the same order where asked, and the combine's handle."""
         dispatch: FlexDispatch = received.handle
-        routing_map, dense_probs = _multihot(dispatch.indices, probs, self.num_local_experts)
+        # Megatron's own conversion (it reads only num_local_experts from its manager).
+        routing_map, dense_probs = _DeepepManager._indices_to_multihot(self, dispatch.indices, probs)
         tokens_per_expert = dispatch.tokens_per_expert
         num_out = int(tokens_per_expert.sum())
         tokens, permuted_probs, mapping, pad_offsets, tokens_per_expert = permute(

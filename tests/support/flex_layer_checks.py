@@ -251,16 +251,8 @@ SCENARIOS = {"bf16-experts": _check_bf16_experts, "fp8-experts": _check_fp8_expe
 def run_scenarios(rank: int, scratch: str, names, results: str) -> None:
     """tests/support/two_ranks.py's entry point: the stand-in installed, then each named scenario;
     this rank writes results/<name>.rank<R>.txt, "ok" or the failed assertion."""
-    import os
-
     from support import deep_ep_on_cpu
+    from support.moe_layer_checks import run_each_reporting
 
     deep_ep_on_cpu.install()
-    for name in names:
-        try:
-            SCENARIOS[name](rank)
-            report = "ok"
-        except AssertionError as error:
-            report = f"{name}: {error}"
-        with open(os.path.join(results, f"{name}.rank{rank}.txt"), "w") as f:
-            f.write(report)
+    run_each_reporting(SCENARIOS, names, rank, results)

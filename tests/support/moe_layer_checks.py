@@ -484,9 +484,15 @@ def run_scenarios(rank: int, scratch: str, names, results: str) -> None:
     results/<name>.rank<R>.txt, "ok" or the failed assertion, and goes on with the next (the
     scenarios assert after their collectives, so both ranks stay in step)."""
     globals().update(EMULATED_SIZES)
+    run_each_reporting(SCENARIOS, names, rank, results)
+
+
+def run_each_reporting(scenarios, names, rank: int, results: str) -> None:
+    """Each named scenario on this rank, one after the other; results/<name>.rank<R>.txt gets "ok" or
+    the failed assertion (anything else raised stops the process, as two_ranks.py reports)."""
     for name in names:
         try:
-            SCENARIOS[name](rank)
+            scenarios[name](rank)
             report = "ok"
         except AssertionError as error:
             report = f"{name}: {error}"
