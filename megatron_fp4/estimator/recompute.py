@@ -16,7 +16,8 @@ the saved activations what each module in `recompute_modules` recomputes in back
 - shared_experts: the shared expert's internals but its input.
 Two modules of the FP8-Flow-MoE fork (the scope `attn layernorm moe_expert` of its 671B runs),
 which Megatron 0.19's TransformerConfig refuses at start-up; the estimator models them so that
-those runs can be compared (docs/estimator.md):
+those runs can be compared (docs/estimator.md), and `moe_expert` is what --moe-fp4-recompute-experts
+does:
 - moe_expert: the routed experts alone, checkpointed on their dispatched input: the router, the
   permutation, the shared experts and the combine keep their tensors; the experts keep only the
   checkpoint's input (the permuted tokens as dispatched: BF16, FP8 under an FP8 dispatch, the
@@ -53,10 +54,15 @@ NONE = Recompute("none", frozenset())
 
 
 def recompute_of(args) -> Recompute:
+    """The run's recompute; our --moe-fp4-recompute-experts is the fork's `moe_expert` (our options
+    refuse it with full recompute)."""
     granularity = args.recompute_granularity
+    experts = {"moe_expert"} if getattr(args, "moe_fp4_recompute_experts", False) else set()
     if granularity == "selective":
         modules = args.recompute_modules if args.recompute_modules is not None else ["core_attn"]
-        return Recompute("selective", frozenset(modules))
+        return Recompute("selective", frozenset(modules) | experts)
+    if experts and granularity != "full":
+        return Recompute("selective", frozenset(experts))
     if granularity == "full":
         return Recompute("full", frozenset(), args.recompute_method or "uniform", args.recompute_num_layers or 1)
     return NONE

@@ -12,7 +12,8 @@ the SwiGLU input and the fc2 input (nothing tokens x hidden or tokens x FFN in B
 fc1 and fc2 inputs as FP8 columns (built in forward instead of backward: the same values), and the
 SwiGLU input in BF16. Inside Megatron's recompute, and under --moe-fp4-storage none, the payload is
 still kept (its values are exact) but the SwiGLU and fc2 inputs are kept as in the baseline: nothing
-inexact is stored in FP4 there.
+inexact is stored in FP4 there. Under --moe-fp4-recompute-experts only the fc1 input is kept (the
+payload, else the BF16 tokens) and backward runs fc1 and the SwiGLU again for those two.
 
 Backward: dgrad in FP8 (gradient 1x128 rows, weights transposed 128x128); wgrad in FP8 with both
 operands 1x128 along tokens (the column kernels' layout). With Megatron's fused gradient
@@ -70,6 +71,9 @@ class ExpertsCall:
     # nothing inexact is kept in FP4, and under --moe-fp4-storage none: then BF16 SwiGLU input and FP8
     # columns of the fc2 input.
     fp4_activations: bool = True
+    # --moe-fp4-recompute-experts: keep only the fc1 input (the payload, else the BF16 tokens); backward
+    # runs fc1 and the SwiGLU again and reads what fp4_activations False keeps (docs/design.md §6.6).
+    recompute: bool = False
 
 
 def weight_gradients(params, grad_cols, input_cols, dtype, call: ExpertsCall) -> list:
@@ -106,19 +110,14 @@ class FP8ExpertsFunction(torch.autograd.Function):
         ffn = fc2_weights[0].shape[1]
         dtype = tokens.dtype
 
-        # The input first: the GPU, idle since the dispatcher's host sync, starts on it sooner.
-        if payload_rows is not None:
-            input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(payload_rows, hidden, call.scale_rule))
-        else:
-            input_rows = K.quantize_fp8_rows(tokens)
-        fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
-        del input_rows
         ctx.from_payload = payload_rows is not None
-        ctx.fp4_activations = ctx.from_payload and call.fp4_activations
-        # Row-wise, all experts at once; with the copies backward will read (see _saved_activations).
-        fc2_in = swiglu_quantized(fc1_out, probs, call.glu_offset, dtype,
-                                  keep_values=call.backward_follows and not ctx.fp4_activations,
-                                  mxfp4_rule=call.scale_rule if call.backward_follows and ctx.fp4_activations else None)
+        ctx.fp4_activations = ctx.from_payload and call.fp4_activations and not call.recompute
+        # With the copies backward will read (see _saved_activations); none where it recomputes them.
+        keeps = call.backward_follows and not call.recompute
+        fc1_out, fc2_in = _fc1_and_swiglu(call, payload_rows if ctx.from_payload else tokens, ctx.from_payload,
+                                          probs, fc1_weights, hidden, dtype,
+                                          keep_values=keeps and not ctx.fp4_activations,
+                                          mxfp4_rule=call.scale_rule if keeps and ctx.fp4_activations else None)
         output = _linear_forward(call, fc2_in.fp8_rows, _fp8_weights(call, "fc2", fc2_weights, False), dtype)
 
         if not call.backward_follows:
@@ -159,9 +158,14 @@ class FP8ExpertsFunction(torch.autograd.Function):
             return MXFP4Tensor(rows, width, call.scale_rule)
 
         # fc2: dgrad and wgrad.
-        saved_input, saved_acts = (activations[:1], activations[1:]) if ctx.from_payload else (
+        saved_input, saved_acts = (activations[:1], activations[1:]) if ctx.from_payload or call.recompute else (
             activations[:3], activations[3:])
-        if ctx.fp4_activations:
+        if call.recompute:
+            fc1_out, fc2_in = _fc1_and_swiglu(call, saved_input[0], ctx.from_payload, probs, fc1_weights, hidden,
+                                              dtype, keep_values=True, mxfp4_rule=None)
+            fc2_in_cols = K.quantize_fp8_cols(fc2_in.values, counts, check_counts=False)
+            del fc2_in
+        elif ctx.fp4_activations:
             # Dequantized first: a SwiGLU backward decoding MXFP4 itself ran slower (0.36 against 0.31 ms
             # for fc1_out 32768 x 4096 on an H200, bench_kernels' rows).
             fc1_out = K.dequantize_mxfp4(mxfp4(saved_acts[0], 2 * ffn))
@@ -176,6 +180,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
         # fc1: dgrad and wgrad (from the payload, its columns are built only now, after fc2's are freed).
         if ctx.from_payload:
             input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input[0], hidden), counts, check_counts=False)
+        elif call.recompute:  # the BF16 tokens
+            input_cols = K.quantize_fp8_cols(saved_input[0], counts, check_counts=False)
         else:
             input_cols = FP8BlockTensor.from_colwise_parts(saved_input)
         grad_input, grad_fc1 = _linear_backward(call, "fc1", grad_fc1_out, input_cols, fc1_weights, wgrads)
@@ -184,12 +190,30 @@ class FP8ExpertsFunction(torch.autograd.Function):
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
 
 
+def _fc1_and_swiglu(call: ExpertsCall, fc1_input, from_payload: bool, probs, fc1_weights, hidden: int, dtype,
+                    keep_values: bool, mxfp4_rule) -> tuple:
+    """fc1's output and the SwiGLU's (times the probs; row-wise, all experts at once), from the fc1
+    input: MXFP4 payload rows (the exact FP4 -> FP8 conversion) or BF16 tokens (quantized to FP8
+    rows). Forward runs it, and backward again under call.recompute: the same bits."""
+    if from_payload:
+        input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(fc1_input, hidden, call.scale_rule))
+    else:
+        input_rows = K.quantize_fp8_rows(fc1_input)
+    fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
+    del input_rows
+    return fc1_out, swiglu_quantized(fc1_out, probs, call.glu_offset, dtype, keep_values=keep_values,
+                                     mxfp4_rule=mxfp4_rule)
+
+
 def _saved_activations(ctx, call: ExpertsCall, tokens, payload_rows, fc1_out, fc2_in: SwiGLUOutputs) -> tuple:
     """What backward reads, as save_for_backward takes it: the fc1 input (the payload, exact; else
     FP8 columns), then the SwiGLU and fc2 inputs (MXFP4 rows, written by the SwiGLU; else BF16 and
-    FP8 columns, as Transformer Engine's FP8 layers keep them). Nothing for a rank without tokens."""
+    FP8 columns, as Transformer Engine's FP8 layers keep them). Under call.recompute only the fc1 input
+    (the payload, else the BF16 tokens). Nothing for a rank without tokens."""
     if not call.segments.num_tokens:
         return ()
+    if call.recompute:
+        return (payload_rows,) if ctx.from_payload else (tokens,)
     counts = call.segments.counts_device
 
     def columns(x):

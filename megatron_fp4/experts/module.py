@@ -39,6 +39,8 @@ class FP8Experts(SequentialMLP):
         # Under `moe` recompute the experts run inside Megatron's checkpoint: no inexact FP4 there;
         # --moe-fp4-storage none asks for none anywhere.
         self.fp4_activations = options.storage is not Storage.NONE and not recomputed_by(frozenset({"moe"}), config)
+        # --moe-fp4-recompute-experts: only the fc1 input kept, backward recomputes fc1 and the SwiGLU.
+        self.recompute = options.recompute_experts
         self.gemms = gemms  # the benchmarks compare both; a spec builds the default
         # The linear layers holding the weights, each expert's fc1 then fc2, listed once: looking them
         # up per forward cost ~0.2 ms of host at 32 experts on an H200 machine, time the GPU waits
@@ -78,7 +80,7 @@ class FP8Experts(SequentialMLP):
             tokens.requires_grad or permuted_probs.requires_grad or any(w.requires_grad for w in weights))
         call = ExpertsCall(segments, payload.scale_rule if payload is not None else self.scale_rule,
                            float(self.config.glu_linear_offset), self.accumulate_in_main_grad, backward_follows,
-                           self.weight_cache, self.gemms, telemetry, self.fp4_activations)
+                           self.weight_cache, self.gemms, telemetry, self.fp4_activations, self.recompute)
         output = FP8ExpertsFunction.apply(call, tokens, permuted_probs,
                                           payload.rows if payload is not None else None, *weights)
         return output, None

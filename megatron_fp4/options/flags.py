@@ -107,6 +107,15 @@ FLAGS = (
          "that same output by reference instead of a copy of its own, unless core_attn recompute runs the "
          "attention without saving it. For runs without Transformer Engine, such as "
          "--moe-fp4-linears fp8; causal or unmasked attention without dropout."),
+    Flag("recompute_experts", "Recompute the routed experts in backward from their dispatched input, which is all "
+         "they keep for it (the FP8-Flow-MoE fork's `moe_expert` scope): with --moe-fp4-dispatch and "
+         "--moe-fp4-experts fp8 the received MXFP4 payload (H/2 + H/32 bytes per routed row), otherwise the "
+         "dispatched BF16 rows (2H bytes). Backward runs fc1 and the SwiGLU again, no dispatch, router or "
+         "permutation: the rest of the MoE layer keeps its tensors. Our FP8 experts then keep nothing in MXFP4 "
+         "but the exact payload (the recomputed SwiGLU and fc2 inputs are BF16 / FP8, as under `moe` "
+         "recompute); Megatron's own experts run inside Megatron's activation checkpoint. Not with `moe` or "
+         "`moe_act` in --recompute-modules or full recompute (they recompute the experts already), "
+         "--moe-fp4-saved-input or Transformer Engine's FP8 (--fp8-format)."),
 )
 
 

@@ -74,6 +74,7 @@ class FP4Options:
     bf16_linears: FrozenSet[LinearRole] = frozenset()  # roles --moe-fp4-linears fp8 leaves to Megatron
     linears_grad: GradFormat = GradFormat.FP8  # the FP8 linears' backward GEMMs
     fused_attention: bool = False
+    recompute_experts: bool = False  # the routed experts recomputed from their dispatched input
 
     def __post_init__(self):
         # Accept the flags' strings; keep the enums.
@@ -88,7 +89,8 @@ class FP4Options:
     @property
     def active(self) -> bool:
         """Whether anything of the plugin touches the model (off: stock Megatron)."""
-        return self.touches_moe_layers or self.linears is LinearsPrecision.FP8 or self.fused_attention
+        return (self.touches_moe_layers or self.linears is LinearsPrecision.FP8 or self.fused_attention
+                or self.recompute_experts)
 
     @property
     def touches_moe_layers(self) -> bool:

@@ -74,6 +74,10 @@ REFUSALS = (
             lambda o, m, e, r: o.saved_input and _fp8_experts(o),
             "--moe-fp4-saved-input is for Megatron's BF16 experts; --moe-fp4-experts fp8 already keeps its saved "
             "input in FP4: drop --moe-fp4-saved-input."),
+    Refusal("--moe-fp4-recompute-experts with --moe-fp4-saved-input",
+            lambda o, m, e, r: o.recompute_experts and o.saved_input,
+            "--moe-fp4-saved-input keeps the experts' saved input in FP4, which --moe-fp4-recompute-experts does not "
+            "save: drop one of the two flags."),
     Refusal("--moe-fp4-bf16-linears without FP8 linears",
             lambda o, m, e, r: o.bf16_linears and not _fp8_linears(o),
             "--moe-fp4-bf16-linears picks roles to keep out of --moe-fp4-linears fp8: add --moe-fp4-linears fp8 or "
@@ -114,13 +118,14 @@ REFUSALS = (
             "--moe-fp4-experts fp8 needs Hopper GPUs (compute capability 9.0, found {compute_capability}): its FP8 "
             "block-scaled GEMMs are SM90's; drop --moe-fp4-experts fp8."),
     Refusal("the patch route (also our launcher on a patched tree) with --moe-fp4-cache, --moe-fp4-saved-input, "
-            "--moe-fp4-experts fp8, --moe-fp4-linears fp8, --moe-fp4-telemetry or --moe-fp4-fused-attention",
+            "--moe-fp4-experts fp8, --moe-fp4-linears fp8, --moe-fp4-telemetry, --moe-fp4-fused-attention or "
+            "--moe-fp4-recompute-experts",
             lambda o, m, e, r: r is Route.PATCH and (o.cache or o.saved_input or _fp8_experts(o) or _fp8_linears(o)
-                                                     or o.telemetry or o.fused_attention),
+                                                     or o.telemetry or o.fused_attention or o.recompute_experts),
             "a megatron-core tree patched with `megatron-fp4 patch` serves --moe-fp4-dispatch only: drop "
             "--moe-fp4-cache, --moe-fp4-saved-input, --moe-fp4-experts fp8, --moe-fp4-linears fp8, "
-            "--moe-fp4-telemetry and --moe-fp4-fused-attention, or run megatron_fp4.launch on an unpatched "
-            "megatron-core."),
+            "--moe-fp4-telemetry, --moe-fp4-fused-attention and --moe-fp4-recompute-experts, or run "
+            "megatron_fp4.launch on an unpatched megatron-core."),
     Refusal("the patch route (also our launcher on a patched tree) with the flex dispatcher",
             # The patched MoELayer builds our dispatcher for alltoall only: flex would run Megatron's own.
             lambda o, m, e, r: r is Route.PATCH and _flex(o, m),
@@ -134,6 +139,9 @@ REFUSALS = (
     Refusal("no MoE layers",
             lambda o, m, e, r: _moe(o) and not m.num_experts,
             "--moe-fp4-dispatch and --moe-fp4-experts fp8 need an MoE model: set --num-experts."),
+    Refusal("--moe-fp4-recompute-experts without MoE layers",
+            lambda o, m, e, r: o.recompute_experts and not m.num_experts,
+            "--moe-fp4-recompute-experts recomputes the routed experts: it needs an MoE model (set --num-experts)."),
     Refusal("a dispatcher other than alltoall or flex",
             lambda o, m, e, r: o.dispatch and m.dispatcher_type not in ("alltoall", "flex"),
             "--moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall or flex (got {dispatcher_type}): it "
@@ -250,6 +258,25 @@ REFUSALS = (
             lambda o, m, e, r: o.fused_attention and m.reset_attention_mask,
             "--moe-fp4-fused-attention computes plain causal attention and would ignore the document boundaries "
             "that --reset-attention-mask puts in the mask: drop one of the two flags."),
+    # The experts-only recompute (docs/design.md §6.6).
+    Refusal("--moe-fp4-recompute-experts where the experts are recomputed already",
+            lambda o, m, e, r: o.recompute_experts and (m.recompute_granularity == "full" or (
+                m.recompute_granularity == "selective" and bool({"moe", "moe_act"} & set(m.recompute_modules)))),
+            "--moe-fp4-recompute-experts recomputes only the routed experts, which full recompute and `moe` or "
+            "`moe_act` in --recompute-modules recompute already: drop one of them."),
+    Refusal("--moe-fp4-recompute-experts with Transformer Engine's FP8",
+            # Megatron's activation checkpoint does not restore Transformer Engine's FP8 state for a recompute.
+            lambda o, m, e, r: o.recompute_experts and m.te_fp8,
+            "--moe-fp4-recompute-experts does not serve Transformer Engine's FP8 (--fp8-format): use "
+            "--moe-fp4-experts fp8 for FP8 experts, or drop one of the two flags."),
+    Refusal("--moe-fp4-recompute-experts with --delay-wgrad-compute, activation offloading of the experts, CUDA "
+            "graphs of the MoE layer or --overlap-moe-expert-parallel-comm",
+            lambda o, m, e, r: o.recompute_experts and (
+                m.delay_wgrad or bool(set(m.offloaded_modules) & _EXPERT_OFFLOAD_MODULES)
+                or m.cuda_graph_captures_moe or m.overlap_ep_comm),
+            "--moe-fp4-recompute-experts recomputes the experts inside an activation checkpoint, which cannot delay "
+            "their weight gradients, offload their activations, be captured in a CUDA graph or be split by "
+            "--overlap-moe-expert-parallel-comm: drop those flags or --moe-fp4-recompute-experts."),
     # What our FP8 experts implement.
     Refusal("--moe-fp4-experts fp8 with the flex dispatcher, without --moe-fp4-dispatch",
             # With it, the FP4 flex dispatcher feeds the experts from the received payload.

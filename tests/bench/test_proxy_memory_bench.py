@@ -292,4 +292,6 @@ def test_every_memcap1_config_passes_the_launchers_dry_run(path, tmp_path, monke
     modules = words[words.index("--recompute-modules") + 1:]
     modules = modules[:next((i for i, w in enumerate(modules) if w.startswith("--")), len(modules))]
     assert modules == {"attn_ln_moe": ["core_attn", "layernorm", "mlp", "moe"],
-                       "attn_ln_mlp": ["core_attn", "layernorm", "mlp"], "attn": ["core_attn"]}[scope]
+                       "attn_ln_mlp": ["core_attn", "layernorm", "mlp"], "attn": ["core_attn"],
+                       "attn_ln_experts": ["core_attn", "layernorm", "mlp"]}[scope]
+    assert ("--moe-fp4-recompute-experts" in words) is (scope == "attn_ln_experts")

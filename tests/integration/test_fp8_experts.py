@@ -562,3 +562,132 @@ def test_telemetry_counts_the_saved_fp4_until_backward_has_used_it(model_paralle
     experts(x, torch.tensor(COUNTS), probs, telemetry=telemetry)[0].backward(grad)  # the FP8 baseline keeps BF16
     telemetry.end_step()
     assert telemetry.held_bytes == 0 and telemetry.read().fp4_held_peak_bytes == expected
+
+
+# --moe-fp4-recompute-experts (docs/design.md §6.6): only the fc1 input is kept; backward recomputes.
+
+def _recomputed_build(model_parallel, device, dispatch: bool, recompute: bool, storage="experts"):
+    torch.manual_seed(3)
+    options = FP4Options(dispatch=dispatch, experts="fp8", storage=storage, recompute_experts=recompute)
+    builder = use_fp8_experts(get_gpt_layer_local_spec(num_experts=EXPERTS), options).submodules.mlp.keywords[
+        "submodules"].experts
+    config = _config(moe_token_dispatcher_type="alltoall")
+    return _spread_weights(builder(EXPERTS, config, pg_collection=model_parallel).to(device))
+
+
+def _grads(result):
+    out, grad_x, grad_p, experts = result
+    weights = [p.grad.clone() for p in experts.parameters()]
+    return [out, grad_x, grad_p, *weights]
+
+
+def _bit_equal(a, b):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and torch.equal(x, y), f"tensor {i} differs"
+
+
+def test_recomputed_experts_from_the_payload_keep_only_it_and_give_storage_nones_bits(model_parallel, device):
+    """With the MXFP4 dispatch: the payload and the probs are all that is saved; the output is the
+    unrecomputed run's and every gradient storage `none`'s (the recompute restores the BF16 SwiGLU input
+    and the fc2 FP8 columns, nothing inexact in FP4), bit for bit."""
+    payload, probs, grad = _inputs(device)
+    received = ref.dequantize_mxfp4(payload)
+    recomputed = _recomputed_build(model_parallel, device, dispatch=True, recompute=True)
+    with _saved_activations(recomputed) as saved:
+        recomputed(received.clone().requires_grad_(True), torch.tensor(COUNTS),
+                   probs.clone().requires_grad_(True), payload=payload)
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == sorted(
+        [("torch.uint8", tuple(payload.rows.shape)), (str(probs.dtype), tuple(probs.shape))])
+    assert saved[0].data_ptr() == payload.rows.data_ptr()  # the received payload itself, no copy
+    del saved
+    ours = _grads(_run(recomputed, received, probs, grad, payload))
+    kept_in_fp4 = _grads(_run(_recomputed_build(model_parallel, device, True, False), received, probs, grad, payload))
+    storage_none = _grads(_run(_recomputed_build(model_parallel, device, True, False, storage="none"),
+                               received, probs, grad, payload))
+    assert torch.equal(ours[0], kept_in_fp4[0])  # forward is unchanged
+    _bit_equal(ours, storage_none)
+    assert any(not torch.equal(a, b) for a, b in zip(ours[1:], kept_in_fp4[1:])), \
+        "the MXFP4-saved SwiGLU / fc2 inputs should round differently than the recomputed ones"
+
+
+def test_recomputed_fp8_baseline_keeps_the_bf16_tokens_and_gives_its_bits(model_parallel, device):
+    """Without a payload (the FP8 baseline): the BF16 tokens and the probs are saved, and every output
+    and gradient equals the unrecomputed baseline's, which keeps FP8 columns and the SwiGLU input."""
+    payload, probs, grad = _inputs(device)
+    received = ref.dequantize_mxfp4(payload)
+    recomputed = _recomputed_build(model_parallel, device, dispatch=False, recompute=True)
+    x = received.clone().requires_grad_(True)
+    with _saved_activations(recomputed) as saved:
+        recomputed(x, torch.tensor(COUNTS), probs.clone().requires_grad_(True))
+    assert [(str(t.dtype), tuple(t.shape)) for t in saved] == [
+        ("torch.bfloat16", tuple(received.shape)), (str(probs.dtype), tuple(probs.shape))]
+    del saved
+    _bit_equal(_grads(_run(recomputed, received, probs, grad)),
+               _grads(_run(_recomputed_build(model_parallel, device, False, False), received, probs, grad)))
+
+
+def test_recomputed_experts_on_a_rank_without_tokens(model_parallel, device):
+    experts = _recomputed_build(model_parallel, device, dispatch=False, recompute=True)
+    x = torch.zeros(0, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
+    probs = torch.zeros(0, device=device, requires_grad=True)
+    out, _ = experts(x, torch.tensor([0] * EXPERTS), probs)
+    out.sum().backward()
+    assert out.shape == (0, HIDDEN) and all(p.grad is not None and not p.grad.any() for p in experts.parameters())
+
+
+def _megatron_experts(model_parallel, recompute: bool, **overrides):
+    from megatron_fp4.integration import use_fp4
+
+    spec = use_fp4(get_gpt_layer_local_spec(num_experts=EXPERTS), FP4Options(recompute_experts=recompute))
+    builder = spec.submodules.mlp.keywords["submodules"].experts
+    torch.manual_seed(3)
+    return builder(EXPERTS, _config(**overrides), pg_collection=model_parallel)
+
+
+def test_megatrons_experts_recomputed_keep_their_input_and_give_the_same_bits(model_parallel, device, monkeypatch):
+    """Megatron's SequentialMLP inside Megatron's checkpoint: it saves its three inputs and nothing
+    else, and gives stock SequentialMLP's output and gradients bit for bit; outside training (or
+    without grad) it is SequentialMLP's forward."""
+    if device.type == "cpu":  # Megatron's checkpoint keeps the CUDA RNG states too: the CPU's stand in
+        import megatron.core.tensor_parallel.random as megatron_random
+
+        monkeypatch.setattr(megatron_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+        monkeypatch.setattr(megatron_random, "_set_cuda_rng_state", lambda state, *a, **k: None)
+    recomputed = _megatron_experts(model_parallel, True).to(device)
+    stock = _megatron_experts(model_parallel, False).to(device)
+    assert type(recomputed).__name__ == "SequentialMLPRecomputed" and type(stock).__name__ == "SequentialMLP"
+    assert recomputed.state_dict().keys() == stock.state_dict().keys()
+    payload, probs, grad = _inputs(device)
+    received = ref.dequantize_mxfp4(payload)
+    counts = torch.tensor(COUNTS)
+
+    def run(experts):
+        experts.zero_grad(set_to_none=True)
+        x, p = received.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        out, _ = experts(x, counts, p)
+        out.backward(grad)
+        return [out.detach(), x.grad, p.grad, *(w.grad for w in experts.parameters())]
+
+    _bit_equal(run(recomputed), run(stock))
+    x, p = received.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+    with _saved_activations(recomputed) as saved:
+        recomputed(x, counts, p)
+    assert [t.data_ptr() for t in saved] == [x.data_ptr(), counts.data_ptr(), p.data_ptr()]
+    del saved
+    recomputed.eval()
+    with _saved_activations(recomputed) as saved:
+        out, _ = recomputed(x, counts, p)
+    assert out.grad_fn is not None and len(saved) > 3  # eval: the stock forward, its own saved tensors
+    del saved
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(recompute_granularity="selective", recompute_modules=["moe"]), "recompute the experts already|recomputes"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "already"),
+])
+def test_recomputed_megatron_experts_refuse_what_would_make_them_a_no_op(model_parallel, overrides, message):
+    from megatron_fp4.options import UnsupportedConfiguration
+
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        _megatron_experts(model_parallel, True, **overrides)

@@ -555,3 +555,36 @@ def test_fp8_experts_refuse_offloading_their_activations(modules):
 def test_fp8_experts_serve_offloading_outside_the_experts():
     _check(_fp8_experts(fine_grained_activation_offloading=True, offload_modules=["core_attn", "attn_proj",
                                                                                   "attn_norm", "mlp_norm"]))
+
+
+def test_recompute_experts_flag_parses_and_serves_every_experts_precision():
+    assert not _parse([]).moe_fp4_recompute_experts and _parse(["--moe-fp4-recompute-experts"]).moe_fp4_recompute_experts
+    options = FP4Options.from_args(_parse(["--moe-fp4-recompute-experts"]))
+    assert options == FP4Options(recompute_experts=True) and options.active and not options.touches_moe_layers
+    selective = {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "layernorm"]}
+    _check(_config(moe_fp4_dispatch=False, moe_fp4_recompute_experts=True, **selective))  # Megatron's BF16 experts
+    _check(_config(moe_fp4_recompute_experts=True))  # the FP4 dispatch into Megatron's experts
+    _check(_fp8_experts(moe_fp4_recompute_experts=True, **selective))  # from the payload
+    _check(_fp8_experts(moe_fp4_dispatch=False, moe_fp4_recompute_experts=True))  # the FP8 baseline
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, "recompute already"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["layernorm", "moe_act"]}, "recompute already"),
+    ({"moe_layer_recompute": True}, "recompute already"),  # Megatron's alias of `moe`
+    ({"recompute_granularity": "full"}, "recompute already"),
+    ({"fp8": "e4m3"}, "Transformer Engine's FP8"),
+    ({"moe_fp4_saved_input": True}, "drop one of the two flags"),
+    ({"num_experts": None, "moe_fp4_dispatch": False}, "needs an MoE model"),
+    ({"delay_wgrad_compute": True}, "cannot delay their weight gradients"),
+    ({"overlap_moe_expert_parallel_comm": True, "moe_fp4_dispatch": False}, "--overlap-moe-expert-parallel-comm"),
+    ({"fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"]}, "offload their activations"),
+])
+def test_recompute_experts_refusals(overrides, message):
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        _check(_config(moe_fp4_recompute_experts=True, **overrides))
+
+
+def test_the_patch_route_refuses_recompute_experts():
+    with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-recompute-experts"):
+        _check(_config(moe_fp4_recompute_experts=True), route=Route.PATCH)

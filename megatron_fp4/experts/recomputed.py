@@ -1,0 +1,37 @@
+"""--moe-fp4-recompute-experts for Megatron's own experts (SequentialMLP, TEGroupedMLP): the same
+class with its forward inside Megatron's activation checkpoint, which keeps the dispatched BF16
+input, the tokens per expert and the probs, and runs the experts again in backward. Our FP8 experts
+recompute inside their own autograd function instead (function.py), keeping the MXFP4 payload where
+the dispatch feeds them."""
+
+import functools
+
+import torch
+from megatron.core import tensor_parallel
+
+from ..options import FP4Options, ModelSettings, Route, validate
+
+
+class _ExpertsRecomputed:
+    """Put before an experts class in the bases: its forward, checkpointed in training."""
+
+    def __init__(self, num_local_experts, config, *args, **kwargs):
+        # The refusals that read the model's config (`moe` recompute already recomputing the experts,
+        # Transformer Engine's FP8, ...), for specs built without our launcher.
+        validate(FP4Options(recompute_experts=True), ModelSettings.from_config(config), None, Route.PLUGIN)
+        super().__init__(num_local_experts, config, *args, **kwargs)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs):
+        run = functools.partial(super().forward, **kwargs)
+        if not (self.training and torch.is_grad_enabled()):
+            return run(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        return tensor_parallel.checkpoint(run, False, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+
+
+@functools.cache
+def experts_recomputed(experts_class: type) -> type:
+    """`experts_class` with its forward recomputed in backward; the same parameters, checkpoint keys
+    and constructor. One class per experts class, so that isinstance checks and repr stay stable."""
+    return type(f"{experts_class.__name__}Recomputed", (_ExpertsRecomputed, experts_class),
+                {"__module__": __name__, "__doc__": f"{experts_class.__name__}, recomputed in backward "
+                                                    "(--moe-fp4-recompute-experts)."})
