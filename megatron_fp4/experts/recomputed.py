@@ -10,6 +10,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from ..options import FP4Options, ModelSettings, Route, validate
+from .module import FP8Experts
 
 
 class _ExpertsRecomputed:
@@ -26,6 +27,12 @@ class _ExpertsRecomputed:
         if not (self.training and torch.is_grad_enabled()):
             return run(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         return tensor_parallel.checkpoint(run, False, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+
+
+def recomputes_in_backward(experts) -> bool:
+    """Whether an experts module keeps only its input and recomputes in backward: ours under
+    --moe-fp4-recompute-experts, or Megatron's made so by experts_recomputed."""
+    return isinstance(experts, _ExpertsRecomputed) or (isinstance(experts, FP8Experts) and experts.recompute)
 
 
 @functools.cache

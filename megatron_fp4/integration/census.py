@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..attention import FusedCoreAttention
 from ..experts import FP8Experts
+from ..experts.recomputed import recomputes_in_backward
 from ..linears import FP8ColumnParallelLinear, FP8RowParallelLinear
 from ..options import ExpertsPrecision, FP4Options, LinearRole
 from .moe_layer import FP4MoELayer
@@ -42,6 +43,7 @@ class Census:
     moe_layers: Count = field(default_factory=Count)  # decoder MoE layers dispatching in MXFP4
     mtp_moe_layers: Count = field(default_factory=Count)  # the same inside MTP layers
     experts: Count = field(default_factory=Count)  # MoE layers' experts in FP8
+    recomputed_experts: Count = field(default_factory=Count)  # MoE layers' experts recomputed alone
     linears: Count = field(default_factory=Count)  # linear layers of the FP8 roles
     attention: Count = field(default_factory=Count)  # core attentions on the fused kernels
     fp8_linears: int = 0  # every FP8 linear layer of the model
@@ -92,6 +94,8 @@ def take_census(chunks: Iterable, options: FP4Options) -> Census:
                     count.add(isinstance(mlp, FP4MoELayer))
                 if options.experts is ExpertsPrecision.FP8:
                     census.experts.add(isinstance(mlp.experts, FP8Experts))
+                if options.recompute_experts:
+                    census.recomputed_experts.add(recomputes_in_backward(mlp.experts))
             attention = getattr(module, "self_attention", None)
             if options.fused_attention and hasattr(attention, "core_attention"):
                 census.attention.add(isinstance(attention.core_attention, FusedCoreAttention))
@@ -118,6 +122,9 @@ def census_line(census: Census, options: FP4Options) -> str:
                      f"({census.fp8_linears} FP8 linear layers)")
     if options.fused_attention:
         parts.append(f"{census.attention.served} of {census.attention.asked} core attentions fused")
+    if options.recompute_experts:
+        parts.append(f"{census.recomputed_experts.served} of {census.recomputed_experts.asked} MoE layers' experts "
+                     "recomputed from their dispatched input")
     return "megatron_fp4: " + "; ".join(parts)
 
 
@@ -127,7 +134,8 @@ def _asks(census: Census):
             (census.mtp_moe_layers, "MTP layers' MoE layers dispatching in MXFP4", "--moe-fp4-dispatch"),
             (census.experts, "FP8 experts", "--moe-fp4-experts fp8"),
             (census.linears, "FP8 linear layers", "--moe-fp4-linears fp8"),
-            (census.attention, "fused core attention", "--moe-fp4-fused-attention"))
+            (census.attention, "fused core attention", "--moe-fp4-fused-attention"),
+            (census.recomputed_experts, "experts recomputed alone", "--moe-fp4-recompute-experts"))
 
 
 def shortfall(census: Census, options: FP4Options) -> Optional[str]:

@@ -41,3 +41,23 @@ def test_a_stock_moe_layer_outside_a_decoder_block_stops_the_run(capsys):
 def test_nothing_is_watched_without_our_flags():
     census_watch.watch(FP4Options())
     assert census_watch._watch is None
+
+
+def test_the_census_counts_experts_recomputed_alone():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_fp4.experts.recomputed import experts_recomputed
+    from megatron_fp4.integration.census import census_line, shortfall, take_census
+
+    options = FP4Options(recompute_experts=True)
+    model = torch.nn.Module()
+    layers = [_bare(TransformerLayer) for _ in range(2)]
+    for layer, experts in zip(layers, (experts_recomputed(SequentialMLP), SequentialMLP)):
+        layer.mlp = _bare(MoELayer)
+        layer.mlp.experts = _bare(experts)
+    model.layers = torch.nn.ModuleList(layers)
+    census = take_census([model], options)
+    assert census_line(census, options) == (
+        "megatron_fp4: 1 of 2 MoE layers' experts recomputed from their dispatched input")
+    assert shortfall(census, options).startswith(
+        "--moe-fp4-recompute-experts asks for experts recomputed alone, and the model on this rank has 1 of 2:")
