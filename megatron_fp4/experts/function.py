@@ -118,6 +118,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
                                           probs, fc1_weights, hidden, dtype,
                                           keep_values=keeps and not ctx.fp4_activations,
                                           mxfp4_rule=call.scale_rule if keeps and ctx.fp4_activations else None)
+        if call.recompute:
+            fc1_out = None  # backward computes it again: not kept through the fc2 GEMM
         output = _linear_forward(call, fc2_in.fp8_rows, _fp8_weights(call, "fc2", fc2_weights, False), dtype)
 
         if not call.backward_follows:

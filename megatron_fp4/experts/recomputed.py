@@ -38,7 +38,16 @@ def recomputes_in_backward(experts) -> bool:
 @functools.cache
 def experts_recomputed(experts_class: type) -> type:
     """`experts_class` with its forward recomputed in backward; the same parameters, checkpoint keys
-    and constructor. One class per experts class, so that isinstance checks and repr stay stable."""
-    return type(f"{experts_class.__name__}Recomputed", (_ExpertsRecomputed, experts_class),
-                {"__module__": __name__, "__doc__": f"{experts_class.__name__}, recomputed in backward "
-                                                    "(--moe-fp4-recompute-experts)."})
+    and constructor. One class per experts class (an already recomputed one is returned as it is),
+    registered in this module under its name so that pickle finds it."""
+    if not isinstance(experts_class, type):
+        raise TypeError(f"--moe-fp4-recompute-experts: the spec builds the experts with {experts_class!r}, not a "
+                        "class")
+    if issubclass(experts_class, _ExpertsRecomputed):
+        return experts_class
+    name = f"{experts_class.__name__}Recomputed"
+    recomputed = type(name, (_ExpertsRecomputed, experts_class),
+                      {"__module__": __name__, "__qualname__": name,
+                       "__doc__": f"{experts_class.__name__}, recomputed in backward (--moe-fp4-recompute-experts)."})
+    globals()[name] = recomputed
+    return recomputed

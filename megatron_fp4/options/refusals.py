@@ -107,8 +107,9 @@ REFUSALS = (
             "megatron-core or drop the --moe-fp4-* flags."),
     Refusal("no CUDA GPU",
             lambda o, m, e, r: o.active and e is not None and not e.cuda_available,
-            "--moe-fp4-dispatch, --moe-fp4-experts fp8, --moe-fp4-linears fp8 and --moe-fp4-fused-attention need "
-            "CUDA GPUs: their Triton kernels, FP8 GEMMs and fused attention kernels run only there."),
+            "--moe-fp4-dispatch, --moe-fp4-experts fp8, --moe-fp4-linears fp8, --moe-fp4-fused-attention and "
+            "--moe-fp4-recompute-experts need CUDA GPUs: their Triton kernels, FP8 GEMMs, fused attention kernels "
+            "and Megatron's activation checkpoint run only there."),
     Refusal("--moe-fp4-linears fp8 on a GPU other than Hopper (SM90)",
             lambda o, m, e, r: _fp8_linears(o) and e is not None and e.compute_capability not in (None, (9, 0)),
             "--moe-fp4-linears fp8 needs Hopper GPUs (compute capability 9.0, found {compute_capability}): its FP8 "
@@ -264,18 +265,27 @@ REFUSALS = (
                 m.recompute_granularity == "selective" and bool({"moe", "moe_act"} & set(m.recompute_modules)))),
             "--moe-fp4-recompute-experts recomputes only the routed experts, which full recompute and `moe` or "
             "`moe_act` in --recompute-modules recompute already: drop one of them."),
-    Refusal("--moe-fp4-recompute-experts with Transformer Engine's FP8",
-            # Megatron's activation checkpoint does not restore Transformer Engine's FP8 state for a recompute.
-            lambda o, m, e, r: o.recompute_experts and m.te_fp8,
-            "--moe-fp4-recompute-experts does not serve Transformer Engine's FP8 (--fp8-format): use "
-            "--moe-fp4-experts fp8 for FP8 experts, or drop one of the two flags."),
-    Refusal("--moe-fp4-recompute-experts with --delay-wgrad-compute, activation offloading of the experts, CUDA "
-            "graphs of the MoE layer or --overlap-moe-expert-parallel-comm",
+    Refusal("--moe-fp4-recompute-experts with Transformer Engine's FP8 or FP4",
+            # Megatron's activation checkpoint does not restore Transformer Engine's autocast state for a
+            # recompute (Megatron's own MoE recompute switches to te_checkpoint there).
+            lambda o, m, e, r: o.recompute_experts and m.te_low_precision,
+            "--moe-fp4-recompute-experts does not serve Transformer Engine's FP8 or FP4 (--fp8-format, "
+            "--fp4-format): use --moe-fp4-experts fp8 for FP8 experts, or drop one of the two flags."),
+    Refusal("--moe-fp4-recompute-experts with the flex dispatcher's hybridep or ncclep backend",
+            # Their zero-copy buffers are handed to the experts, whose recompute would write them again.
+            lambda o, m, e, r: o.recompute_experts and m.dispatcher_type == "flex" and m.flex_backend != "deepep",
+            "--moe-fp4-recompute-experts serves the flex dispatcher on DeepEP only (got "
+            "--moe-flex-dispatcher-backend {flex_backend}): its other backends hand the experts buffers that a "
+            "recompute would write again."),
+    Refusal("--moe-fp4-recompute-experts with --delay-wgrad-compute, "
+            "--overlap-dispatch-backward-with-experts-wgrad, activation offloading of the experts, CUDA graphs of "
+            "the MoE layer or --overlap-moe-expert-parallel-comm",
             lambda o, m, e, r: o.recompute_experts and (
-                m.delay_wgrad or bool(set(m.offloaded_modules) & _EXPERT_OFFLOAD_MODULES)
+                m.delay_wgrad or m.overlap_dispatch_wgrad or bool(set(m.offloaded_modules) & _EXPERT_OFFLOAD_MODULES)
                 or m.cuda_graph_captures_moe or m.overlap_ep_comm),
             "--moe-fp4-recompute-experts recomputes the experts inside an activation checkpoint, which cannot delay "
-            "their weight gradients, offload their activations, be captured in a CUDA graph or be split by "
+            "their weight gradients (--delay-wgrad-compute, --overlap-dispatch-backward-with-experts-wgrad), "
+            "offload their activations, be captured in a CUDA graph or be split by "
             "--overlap-moe-expert-parallel-comm: drop those flags or --moe-fp4-recompute-experts."),
     # What our FP8 experts implement.
     Refusal("--moe-fp4-experts fp8 with the flex dispatcher, without --moe-fp4-dispatch",

@@ -61,7 +61,7 @@ class ModelSettings:
 
     num_experts: Optional[int]
     fp16: bool  # --fp16: the model's activations in float16
-    te_fp8: bool  # --fp8-format: Transformer Engine's FP8 (Megatron's `fp8`)
+    te_low_precision: bool  # --fp8-format or --fp4-format: Transformer Engine's FP8 / NVFP4 autocast
     bf16: bool  # --bf16: the model's activations in bfloat16 (neither: float32)
     dispatcher_type: Optional[str]
     flex_backend: Optional[str]  # the flex dispatcher's backend (flex_dispatcher_backend); None for others
@@ -122,7 +122,7 @@ class ModelSettings:
         return cls(
             num_experts=num_experts,
             fp16=bool(get("fp16", False)),
-            te_fp8=get("fp8") is not None,
+            te_low_precision=get("fp8") is not None or get("fp4") is not None,
             bf16=bool(get("bf16", False)),
             dispatcher_type=get("moe_token_dispatcher_type"),
             flex_backend=flex_dispatcher_backend(source),

@@ -177,3 +177,15 @@ def test_fastest_scope_fits_under_75_gib_with_the_device_rows():
     assert e.device_peak_gib <= 75 and e.verdict == "fits"
     flags = load_config(e.config).flags  # BF16 main gradients, handed to DDP (docs: "The fastest scope's margin")
     assert flags["main_grads_dtype"] == "bf16" and flags["no_gradient_accumulation_fusion"] is True
+
+
+def test_our_recompute_experts_flag_is_estimated_as_moe_expert():
+    """--moe-fp4-recompute-experts on stock Megatron is the fork's `moe_expert`: the one-GPU proxies'
+    experts-only configs hold each precision's dispatched rows and nothing else of the experts."""
+    proxy = ROOT / "configs" / "proxy"
+    for precision, per_element in (("bf16", 2), ("fp8", 2), ("fp4", MXFP4_BYTES)):
+        e = estimate(proxy / f"memcap1_{precision}_attn_ln_experts.yaml", "installed")
+        assert e.recompute.label() == "core_attn,layernorm,mlp,moe_expert", precision
+        c, s = e.peak_rank.components, e.shape
+        assert c["moe.expert_checkpoint_in"] == 5 * s.micro_batch * s.seq_length * s.topk * s.hidden * per_element
+        assert not {"moe.expert_fc1_in", "moe.expert_fc1_out", "moe.expert_fc2_in"} & set(c), precision

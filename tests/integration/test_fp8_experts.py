@@ -631,7 +631,10 @@ def test_recomputed_experts_on_a_rank_without_tokens(model_parallel, device):
     experts = _recomputed_build(model_parallel, device, dispatch=False, recompute=True)
     x = torch.zeros(0, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
     probs = torch.zeros(0, device=device, requires_grad=True)
-    out, _ = experts(x, torch.tensor([0] * EXPERTS), probs)
+    with _saved_activations(experts) as saved:
+        out, _ = experts(x, torch.tensor([0] * EXPERTS), probs)
+    assert [t.data_ptr() for t in saved] == [probs.data_ptr()]  # the probs only: no tokens to keep
+    del saved
     out.sum().backward()
     assert out.shape == (0, HIDDEN) and all(p.grad is not None and not p.grad.any() for p in experts.parameters())
 
@@ -683,11 +686,38 @@ def test_megatrons_experts_recomputed_keep_their_input_and_give_the_same_bits(mo
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(recompute_granularity="selective", recompute_modules=["moe"]), "recompute the experts already|recomputes"),
-    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "already"),
+    (dict(recompute_granularity="selective", recompute_modules=["moe"]), "recompute already"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "recompute already"),
 ])
 def test_recomputed_megatron_experts_refuse_what_would_make_them_a_no_op(model_parallel, overrides, message):
     from megatron_fp4.options import UnsupportedConfiguration
 
     with pytest.raises(UnsupportedConfiguration, match=message):
         _megatron_experts(model_parallel, True, **overrides)
+
+
+def test_recomputed_experts_classes_are_made_once_and_pickle():
+    import pickle
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa: F401
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_fp4.experts.recomputed import experts_recomputed
+    from megatron_fp4.integration import use_recomputed_experts
+
+    cls = experts_recomputed(SequentialMLP)
+    assert experts_recomputed(cls) is cls and issubclass(cls, SequentialMLP)
+    assert pickle.loads(pickle.dumps(cls)) is cls
+    # A spec whose experts are a ModuleSpec (as older specs and users' own build them) is rewritten too,
+    # and applying the rewrite twice changes nothing more.
+    layer = get_gpt_layer_local_spec(num_experts=EXPERTS)
+    moe = layer.submodules.mlp.keywords["submodules"]
+    moe.experts = ModuleSpec(module=SequentialMLP, submodules=moe.experts.keywords["submodules"])
+    options = FP4Options(recompute_experts=True)
+    twice = use_recomputed_experts(use_recomputed_experts(layer, options), options)
+    assert twice.submodules.mlp.keywords["submodules"].experts.module is cls
+    assert moe.experts.module is SequentialMLP  # the original spec untouched
+    moe.experts = ModuleSpec(module=("megatron.core.transformer.moe.experts", "SequentialMLP"))
+    with pytest.raises(TypeError, match="not a class"):
+        use_recomputed_experts(layer, options)

@@ -399,7 +399,7 @@ def test_fused_attention_flag_parses_touches_the_model_and_serves_dense_models()
     _check(_fused_attention())
     # The attention alone builds no part of the MoE layers: a dense model, any hidden size, is served.
     _check(_fused_attention(num_experts=None, hidden_size=4000))
-    with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-fused-attention need CUDA GPUs"):
+    with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-recompute-experts need CUDA GPUs"):
         _check(_fused_attention(), cuda=False)
     with pytest.raises(UnsupportedConfiguration, match="supports megatron-core 0.18 to 0.19"):
         _check(_fused_attention(), version="0.17.1")
@@ -588,3 +588,16 @@ def test_recompute_experts_refusals(overrides, message):
 def test_the_patch_route_refuses_recompute_experts():
     with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-recompute-experts"):
         _check(_config(moe_fp4_recompute_experts=True), route=Route.PATCH)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"fp4": "e2m1"}, "Transformer Engine's FP8 or FP4"),
+    ({"overlap_dispatch_backward_with_experts_wgrad": True, "moe_fp4_dispatch": False}, "cannot delay"),
+    ({"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "ncclep", "moe_fp4_dispatch": False},
+     "DeepEP only"),
+    ({"moe_fp4_dispatch": False}, "Megatron's activation checkpoint run only there"),
+])
+def test_recompute_experts_refusals_of_the_review(overrides, message):
+    cuda = "only there" not in message
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        _check(_config(moe_fp4_recompute_experts=True, **overrides), cuda=cuda)

@@ -158,9 +158,10 @@ def test_a_launch_checks_this_machine_before_torchrun(monkeypatch, tmp_path, cap
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _launch_here(monkeypatch, tmp_path, "configs/proxy/gpus2_fp4.yaml", "raise SystemExit(9)") == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == ("error: --moe-fp4-dispatch, --moe-fp4-experts fp8, --moe-fp4-linears fp8 and "
-                                 "--moe-fp4-fused-attention need CUDA GPUs: their Triton kernels, FP8 GEMMs and fused "
-                                 "attention kernels run only there.\n")
+    assert out == "" and err == ("error: --moe-fp4-dispatch, --moe-fp4-experts fp8, --moe-fp4-linears fp8, "
+                                 "--moe-fp4-fused-attention and --moe-fp4-recompute-experts need CUDA GPUs: their "
+                                 "Triton kernels, FP8 GEMMs, fused attention kernels and Megatron's activation "
+                                 "checkpoint run only there.\n")
     assert not (tmp_path / "run").exists()  # torchrun never started
 
 

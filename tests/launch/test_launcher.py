@@ -145,8 +145,8 @@ REFUSED_ARGV = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-he
 
 @pytest.mark.parametrize("cuda, sentence", [
     (True, "error: --moe-fp4-dispatch needs --moe-token-dispatcher-type alltoall or flex (got allgather)"),
-    (False, "error: --moe-fp4-dispatch, --moe-fp4-experts fp8, --moe-fp4-linears fp8 and --moe-fp4-fused-attention "
-            "need CUDA GPUs"),
+    (False, "error: --moe-fp4-dispatch, --moe-fp4-experts fp8, --moe-fp4-linears fp8, --moe-fp4-fused-attention and "
+            "--moe-fp4-recompute-experts need CUDA GPUs"),
 ], ids=["with-cuda", "without-cuda"])  # (an id "gpu" would mark it GPU-only)
 def test_refusal_stops_the_run_with_one_sentence(launcher_argv, capsys, monkeypatch, cuda, sentence):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)  # the validation's view of this machine
