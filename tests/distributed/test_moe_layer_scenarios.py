@@ -27,7 +27,7 @@ def test_on_two_gpus(scenario):
 # Under the emulation a scenario takes 5-120 s on two cores: CI runs one of each kind (dispatch
 # wire and gradient, FP8 experts, the cache through a whole layer and through the interleaved
 # pipeline schedule); MEGATRON_FP4_EMULATE_ALL=1 runs every scenario.
-CI_EMULATED = {"layout-tp1-ep2-fp8", "fp8-experts", "cache-transformer-layer-bf16-experts",
+CI_EMULATED = {"layout-tp1-ep2-fp8", "fp8-experts", "recompute-experts", "cache-transformer-layer-bf16-experts",
                "cache-pipeline-vpp2-bf16-experts"}
 EMULATE_ALL = os.environ.get("MEGATRON_FP4_EMULATE_ALL") == "1"
 

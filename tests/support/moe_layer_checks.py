@@ -437,11 +437,49 @@ def _check_cache_pipeline(rank, experts="bf16", virtual_stages=1):
 
 
 # Every scenario by name: one pytest item each (tests/distributed/test_moe_layer_scenarios.py).
+def _check_recompute_experts(rank):
+    """--moe-fp4-recompute-experts through the whole MoE layer at EP 2 (router, dispatch, combine and
+    shared expert around the experts): each experts kind against the same layer without the flag,
+    output, input gradient and every parameter gradient bit for bit. Our FP8 experts fed by the FP4
+    dispatch against storage `none` (what the recompute restores is not kept in MXFP4); Megatron's
+    own experts behind the FP4 dispatch and the FP8 baseline (no dispatch) against themselves."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_fp4.experts.recomputed import recomputes_in_backward
+    from megatron_fp4.integration.standalone import build_moe_layer
+    from megatron_fp4.options import FP4Options
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    try:
+        model_parallel_cuda_manual_seed(1234)
+        config = _config(1, 2, False)
+        x, gy = _inputs(dist.get_rank(), 1)
+        cases = {"FP4 dispatch, FP8 experts": (dict(dispatch=True, experts="fp8"), dict(storage="none")),
+                 "FP4 dispatch, Megatron's experts": (dict(dispatch=True), {}),
+                 "FP8 baseline": (dict(experts="fp8"), {})}
+        for where, (flags, without) in cases.items():
+            recomputed = build_moe_layer(config, FP4Options(**flags, recompute_experts=True)).cuda()
+            plain = build_moe_layer(config, FP4Options(**flags, **without)).cuda()
+            assert recomputes_in_backward(recomputed.experts) and not recomputes_in_backward(plain.experts), where
+            plain.load_state_dict(recomputed.state_dict())
+            out, dx, grads = _run(recomputed, x, gy)
+            out_p, dx_p, grads_p = _run(plain, x, gy)
+            assert _same_bits(out, out_p), f"{where}: forward output differs"
+            assert _same_bits(dx, dx_p), f"{where}: input gradient differs"
+            assert grads.keys() == grads_p.keys() and grads, f"{where}: parameters differ"
+            for name, g in grads_p.items():
+                assert _same_bits(grads[name], g), f"{where}: gradient of {name} differs"
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 SCENARIOS = {
     **{f"layout-tp{tp}-ep{ep}-{grad}" + ("-overlap" if overlap else ""):
        functools.partial(_check_layout, tp=tp, ep=ep, grad_format=grad, overlap=overlap)
        for tp, ep, grad, overlap in LAYOUTS},
     "fp8-experts": _check_fp8_experts,
+    "recompute-experts": _check_recompute_experts,
     **{f"cache-{'transformer-layer' if whole else 'moe-layer'}-{experts}-experts":
        functools.partial(_check_cache, experts=experts, whole_layer=whole)
        for whole in (False, True) for experts in ("bf16", "fp8")},
