@@ -115,7 +115,8 @@ FLAGS = (
          "but the exact payload (the recomputed SwiGLU and fc2 inputs are BF16 / FP8, as under `moe` "
          "recompute); Megatron's own experts run inside Megatron's activation checkpoint. Not with `moe` or "
          "`moe_act` in --recompute-modules or full recompute (they recompute the experts already), "
-         "--moe-fp4-saved-input or Transformer Engine's FP8 (--fp8-format)."),
+         "--moe-fp4-saved-input, Transformer Engine's FP8 or FP4 (--fp8-format, --fp4-format), delayed weight "
+         "gradients or the flex dispatcher's backends other than DeepEP."),
 )
 
 
