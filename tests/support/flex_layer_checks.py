@@ -197,13 +197,10 @@ def _check_cache(rank, experts, whole_layer=False):
     off, and with it on the recomputes send no MXFP4 dispatch through DeepEP (counted)."""
     import deep_ep
 
-    from megatron_fp4.integration.standalone import build_moe_layer, build_transformer_layer
-    from megatron_fp4.options import FP4Options
     from support.moe_layer_checks import (MICRO_BATCHES, _checkpointed_steps, _layernorm_recompute_without_transformer_engine,
-                                          _same_bits)
+                                          assert_cache_changes_no_bits, cache_pair, cache_recompute_modules)
 
-    build = build_transformer_layer if whole_layer else build_moe_layer
-    modules = ["layernorm", "moe"] if whole_layer else ["moe"]
+    modules = cache_recompute_modules(whole_layer)
 
     sends = []  # torch.uint8 for each MXFP4 dispatch DeepEP is handed, as _checkpointed_steps counts
     real_dispatch = deep_ep.Buffer.dispatch
@@ -217,27 +214,15 @@ def _check_cache(rank, experts, whole_layer=False):
         with _parallel_state(), _layernorm_recompute_without_transformer_engine():
             config = _config(recompute_granularity="selective", recompute_modules=modules, hidden_dropout=0.0,
                              attention_dropout=0.0)
-            uncached = build(config, FP4Options(dispatch=True, experts=experts)).cuda()
-            cached = build(config, FP4Options(dispatch=True, cache=True, experts=experts)).cuda()
-            if whole_layer:  # its layer norms are built in FP32; Megatron's Float16Module casts the model
-                uncached, cached = uncached.bfloat16(), cached.bfloat16()
-            cached.load_state_dict(uncached.state_dict())
-            moe = cached.mlp if whole_layer else cached
-            assert moe.moe_layer_recompute and (cached.recompute_pre_mlp_layernorm if whole_layer else True)
+            uncached, cached, moe = cache_pair(config, experts, whole_layer)
             pairs = [_inputs(10 * rank + m) for m in range(MICRO_BATCHES)]
             inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
-            out_u, dx_u, dw_u, sends_u = _checkpointed_steps(uncached, inputs, grads, sends)
-            out_c, dx_c, dw_c, sends_c = _checkpointed_steps(cached, inputs, grads, sends)
+            uncached_run = _checkpointed_steps(uncached, inputs, grads, sends)
+            cached_run = _checkpointed_steps(cached, inputs, grads, sends)
     finally:
         deep_ep.Buffer.dispatch = real_dispatch
     where = f"rank {rank} flex cache, recompute {modules}, {experts} experts"
-    assert sends_u == MICRO_BATCHES, f"{where}: the uncached recomputes sent {sends_u} MXFP4 dispatches"
-    assert sends_c == 0, f"{where}: the cached recomputes still sent {sends_c} MXFP4 dispatches"
-    assert len(moe.recompute_cache) == 0, f"{where}: entries left after backward"
-    for a, b in zip(out_c + dx_c, out_u + dx_u):
-        assert _same_bits(a, b), f"{where}: outputs or input gradients differ"
-    for name, g in dw_u.items():
-        assert _same_bits(dw_c[name], g), f"{where}: gradient of {name} differs"
+    assert_cache_changes_no_bits(where, uncached_run, cached_run, moe.recompute_cache)
 
 
 SCENARIOS = {"bf16-experts": _check_bf16_experts, "fp8-experts": _check_fp8_experts, "wire": _check_wire,

@@ -282,6 +282,43 @@ def _layernorm_recompute_without_transformer_engine():
         random.CheckpointWithoutOutput.__init__ = original_init
 
 
+def cache_recompute_modules(whole_layer: bool) -> list:
+    """The recompute the cache scenarios checkpoint under: `moe`, with `layernorm` for a whole layer."""
+    return ["layernorm", "moe"] if whole_layer else ["moe"]
+
+
+def cache_pair(config, experts: str, whole_layer: bool) -> tuple:
+    """(uncached, cached, the cached MoE layer): one MoE layer (or whole TransformerLayer of the local
+    spec) with --moe-fp4-cache off and on, the same weights, checked to be checkpointed by Megatron."""
+    from megatron_fp4.integration.standalone import build_moe_layer, build_transformer_layer
+    from megatron_fp4.options import FP4Options
+
+    build = build_transformer_layer if whole_layer else build_moe_layer
+    uncached = build(config, FP4Options(dispatch=True, experts=experts)).cuda()
+    cached = build(config, FP4Options(dispatch=True, cache=True, experts=experts)).cuda()
+    if whole_layer:  # its layer norms are built in FP32; Megatron's Float16Module casts the model
+        uncached, cached = uncached.bfloat16(), cached.bfloat16()
+    cached.load_state_dict(uncached.state_dict())
+    moe = cached.mlp if whole_layer else cached
+    assert moe.moe_layer_recompute and (cached.recompute_pre_mlp_layernorm if whole_layer else True)
+    return uncached, cached, moe
+
+
+def assert_cache_changes_no_bits(where, uncached_run, cached_run, cache):
+    """_checkpointed_steps' results without and with the cache: every uncached recompute sent its
+    MXFP4 dispatch, no cached one did, the cache is empty after backward, and the outputs, input
+    gradients and parameter gradients agree bit for bit."""
+    out_u, dx_u, dw_u, sends_u = uncached_run
+    out_c, dx_c, dw_c, sends_c = cached_run
+    assert sends_u == MICRO_BATCHES, f"{where}: the uncached recomputes sent {sends_u} MXFP4 dispatches"
+    assert sends_c == 0, f"{where}: the cached recomputes still sent {sends_c} MXFP4 dispatches"
+    assert len(cache) == 0, f"{where}: entries left after backward"
+    for a, b in zip(out_c + dx_c, out_u + dx_u):
+        assert _same_bits(a, b), f"{where}: outputs or input gradients differ"
+    for name, g in dw_u.items():
+        assert _same_bits(dw_c[name], g), f"{where}: gradient of {name} differs"
+
+
 def _check_cache(rank, experts="bf16", whole_layer=False):
     """The cache on vs off, four micro-batches in flight through a checkpointed MoE layer
     (recompute_modules ["moe"]); with whole_layer, a whole TransformerLayer (local spec) with
@@ -292,11 +329,7 @@ def _check_cache(rank, experts="bf16", whole_layer=False):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_fp4.options import FP4Options
-    from megatron_fp4.integration.standalone import build_moe_layer, build_transformer_layer
-
-    build = build_transformer_layer if whole_layer else build_moe_layer
-    modules = ["layernorm", "moe"] if whole_layer else ["moe"]
+    modules = cache_recompute_modules(whole_layer)
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
     try:
         with _counting_all_to_all_sends() as sends, _layernorm_recompute_without_transformer_engine():
@@ -304,13 +337,7 @@ def _check_cache(rank, experts="bf16", whole_layer=False):
             # No dropout (the recipes have none): the two runs draw different masks from the RNG.
             config = _config(1, 2, False, recompute_granularity="selective", recompute_modules=modules,
                              attention_dropout=0.0, hidden_dropout=0.0)
-            uncached = build(config, FP4Options(dispatch=True, experts=experts)).cuda()
-            cached = build(config, FP4Options(dispatch=True, cache=True, experts=experts)).cuda()
-            if whole_layer:  # its layer norms are built in FP32; Megatron's Float16Module casts the model
-                uncached, cached = uncached.bfloat16(), cached.bfloat16()
-            cached.load_state_dict(uncached.state_dict())
-            moe = cached.mlp if whole_layer else cached
-            assert moe.moe_layer_recompute and (cached.recompute_pre_mlp_layernorm if whole_layer else True)
+            uncached, cached, moe = cache_pair(config, experts, whole_layer)
             cache = moe.recompute_cache
             pairs = [_inputs(10 * dist.get_rank() + m, 1) for m in range(MICRO_BATCHES)]
             inputs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -318,15 +345,9 @@ def _check_cache(rank, experts="bf16", whole_layer=False):
             with torch.no_grad():  # the MoE layer itself: Megatron's layernorm recompute needs grad on
                 moe(inputs[0])
             assert len(cache) == 0, f"{where}: a no_grad forward cached a dispatch"
-            out_u, dx_u, dw_u, sends_u = _checkpointed_steps(uncached, inputs, grads, sends)
-            out_c, dx_c, dw_c, sends_c = _checkpointed_steps(cached, inputs, grads, sends)
-        assert sends_u == MICRO_BATCHES, f"{where}: the uncached recompute sent {sends_u} dispatches"
-        assert sends_c == 0, f"{where}: the cached recompute still sent {sends_c} dispatches"
-        assert len(cache) == 0, f"{where}: entries left after backward"
-        for a, b in zip(out_c + dx_c, out_u + dx_u):
-            assert _same_bits(a, b), f"{where}: outputs or input gradients differ"
-        for name, g in dw_u.items():
-            assert _same_bits(dw_c[name], g), f"{where}: gradient of {name} differs"
+            uncached_run = _checkpointed_steps(uncached, inputs, grads, sends)
+            cached_run = _checkpointed_steps(cached, inputs, grads, sends)
+        assert_cache_changes_no_bits(where, uncached_run, cached_run, cache)
     finally:
         parallel_state.destroy_model_parallel()
 
