@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from benchmarks.common import (finish, interleaved_medians_ms, layer_options, layer_step, max_over_ranks, moe_config,
                                peak_memory_gib, permuted_tokens_and_splits, random_tokens, slowest_median_ms,
                                start_expert_parallel)
+from benchmarks.layer_breakdown import union_length
 
 BENCH = "bench_moe_layer"
 HOST_STEPS = 5  # steps timed for the host time, at most --iters
@@ -113,19 +114,6 @@ def checked_step(layer, x, grad):
     return out.detach(), inp.grad, max_over_ranks(sum(saved.values()) / 2**20)
 
 
-def busy_ms(intervals) -> float:
-    """Length of the union of (start, end) intervals, in their unit (ms for us / 1000)."""
-    total, reach = 0.0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            total += end - start
-            reach = end
-        elif end > reach:
-            total += end - reach
-            reach = end
-    return total
-
-
 def host_ms(step, steps: int):
     """(host ms, wall ms, GPU busy ms) per step, this rank: wall over `steps` back-to-back steps
     between two synchronizations; GPU busy the union of the device activity torch.profiler records
@@ -144,7 +132,7 @@ def host_ms(step, steps: int):
         torch.cuda.synchronize()
     device = [(e.time_range.start, e.time_range.end) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = busy_ms(device) / 1000 / steps
+    busy = union_length(device) / 1000 / steps
     return max(wall - busy, 0.0), wall, busy
 
 

@@ -5,16 +5,20 @@ wall time per step next to the GPU kernel time summed (a large gap means the CPU
 busy) and the kernels by total GPU time; with --host also the host syncs of one step (with the
 Python lines that caused them) and the CPU ops by self CPU time; with --python the Python functions
 (and the C calls they make) by own host time, from cProfile (its overhead inflates every call alike);
-with --gaps where the GPU idles in one step started on a synchronized GPU.
+with --gaps where the GPU idles in one step started on a synchronized GPU; with --rows the step's GPU
+time by part of the layer (benchmarks/layer_breakdown.py), forward and backward, and its idle time,
+as rows of benchmarks/results/moe_layer_breakdown.jsonl.
 
     torchrun --nproc-per-node 2 -m benchmarks.profile_moe_layer --experts 16 --layer stock,fp4-fp8 [--host]
     torchrun --nproc-per-node 2 -m benchmarks.profile_moe_layer --experts 16 --layer fp4-fp8-recompute,fp4-fp8-cache
     torchrun --nproc-per-node 2 -m benchmarks.profile_moe_layer --experts 16 --layer fp4-fp8-cache --python
     python3 -m benchmarks.profile_moe_layer --experts 32 --layer stock,fp4-fp8 --gaps
+    python3 -m benchmarks.profile_moe_layer --experts 32 --layer fp4-fp8,fp8-baseline --rows
 
 Layers: see LAYERS (the *-recompute and *-cache ones checkpoint the layer with recompute_modules
-["moe"], the latter with the FP4 recompute cache on). A profiler's printout, not benchmark rows:
-the numbers are for finding where time goes, not for quoting.
+["moe"], the latter with the FP4 recompute cache on). Without --rows a profiler's printout for finding
+where time goes. The profiler adds its own overhead to every launch: the rows' wall time is measured
+without it, their parts under it.
 """
 
 import collections
@@ -25,11 +29,16 @@ import sys
 import time
 import traceback
 import warnings
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import layer_options, layer_step, moe_config, random_tokens, start_expert_parallel
+from benchmarks.common import finish, layer_options, layer_step, moe_config, random_tokens, start_expert_parallel
+from benchmarks.layer_breakdown import by_part, union_length
+from benchmarks.rows import Recorder
+
+BREAKDOWN_BENCH = "moe_layer_breakdown"
 
 # name: (FP4 dispatch, experts, recompute_modules ["moe"], recompute cache)
 LAYERS = {
@@ -49,6 +58,9 @@ def main(argv=None) -> int:
                         help="also where the GPU idles in one step started from a synchronized GPU (as "
                              "bench_moe_layer times a step): each idle gap of 20 us or more, the kernels around "
                              "it and the CPU ops that started in it")
+    parser.add_argument("--rows", action="store_true",
+                        help="also write the step's GPU time by part (forward, backward) and its idle time as "
+                             "rows (benchmarks/results/moe_layer_breakdown.jsonl)")
     args = parser.parse_args(argv)
     host, python, gaps = args.host, args.python, args.gaps
     layer_names = args.layer.split(",")
@@ -57,16 +69,15 @@ def main(argv=None) -> int:
         raise SystemExit(f"--layer takes a comma-separated list of {sorted(LAYERS)}, got {unknown}")
     from megatron.core import parallel_state
 
-    rank, world, log, _ = start_expert_parallel(args, "profile_moe_layer", f"profiling {', '.join(layer_names)}")
+    rank, world, log, recorder = start_expert_parallel(args, BREAKDOWN_BENCH, f"profiling {', '.join(layer_names)}")
     for name in layer_names:
-        profile_layer(args, name, rank, world, log, host, python, gaps)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+        profile_layer(args, name, rank, world, log, host, python, gaps, recorder if args.rows else None)
+    finish(rank, recorder)
     return 0
 
 
 def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool, python: bool,
-                  gaps: bool = False) -> None:
+                  gaps: bool = False, recorder: Optional[Recorder] = None) -> None:
     from megatron_fp4.integration.standalone import build_moe_layer
     from megatron_fp4.options import FP4Options
 
@@ -96,6 +107,9 @@ def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool,
             f"(rank 0, {steps} steps); top kernels:")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:24]:
             log(f"{e.self_device_time_total / steps / 1000:8.3f} ms {e.count // steps:5d}x  {e.key[:110]}")
+    if recorder is not None:
+        forward = lambda: layer(x.detach().requires_grad_(True))  # noqa: E731 (its graph is dropped)
+        record_breakdown(recorder, layer_name, prof, steps, kernel_parts(forward, steps), wall_ms, log)
     if host:  # every rank runs the step (it communicates); rank 0 prints
         log_host_side(step, steps, log if rank == 0 else (lambda *_: None))
     if python:
@@ -104,6 +118,41 @@ def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool,
         log_idle_gaps(step, log if rank == 0 else (lambda *_: None))
     del layer, step
     torch.cuda.empty_cache()
+
+
+def device_events(prof):
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_parts(fn, steps: int) -> Dict[str, float]:
+    """fn's GPU time per call by part (ms), profiled over `steps` calls."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return {part: us / 1000 / steps
+            for part, us in by_part((e.name, e.time_range.elapsed_us()) for e in device_events(prof)).items()}
+
+
+def record_breakdown(recorder: Recorder, layer_name: str, prof, steps: int, forward: Dict[str, float],
+                     wall_ms: float, log) -> None:
+    """Rows: each part's GPU time per step in forward and backward (backward = the step's less the
+    forward's, profiled apart) and the GPU's idle time, each against the wall time per step."""
+    events = device_events(prof)
+    step = {part: us / 1000 / steps
+            for part, us in by_part((e.name, e.time_range.elapsed_us()) for e in events).items()}
+    busy = union_length((e.time_range.start, e.time_range.end) for e in events) / 1000 / steps
+    reference = "wall time per step over back-to-back steps (no profiler)"
+    log(f"{layer_name}: GPU time by part per step (forward / backward), of {wall_ms:.2f} ms wall:")
+    for part, total in step.items():
+        phases = {"forward": forward[part], "backward": max(total - forward[part], 0.0)}
+        for phase, ms in phases.items():
+            recorder.add(layer_name, f"GPU time: {part}, {phase}", ms, "ms", reference, wall_ms)
+        log(f"{phases['forward']:8.3f} {phases['backward']:8.3f} ms  {part}")
+    idle = max(wall_ms - busy, 0.0)
+    recorder.add(layer_name, "GPU idle (wall - GPU busy)", idle, "ms", reference, wall_ms)
+    log(f"{idle:8.3f} ms idle (wall - GPU busy {busy:.2f} ms)")
 
 
 def log_host_side(step, steps: int, log) -> None:

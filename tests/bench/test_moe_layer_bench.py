@@ -78,12 +78,6 @@ def test_grouped_mm_experts_refuse_what_they_do_not_compute(one_rank):
         GroupedMMExperts(torch.zeros(2, 8, 12), torch.zeros(2, 12, 4))
 
 
-def test_gpu_busy_time_is_the_union_of_the_device_intervals():
-    assert bench.busy_ms([]) == 0
-    # Overlapping, nested, touching and disjoint intervals, in any order.
-    assert bench.busy_ms([(5, 8), (0, 2), (1, 3), (10, 12), (12, 13), (6, 7)]) == 3 + 3 + 3
-
-
 CASES = (bench.STOCK, bench.GROUPED_MM, bench.FP8_BASELINE, bench.FP4_BF16, bench.FP4_FP8,
          bench.FP8_BASELINE_PER_EXPERT, bench.FP4_FP8_PER_EXPERT, bench.FP4_FP8_WEIGHTS_PER_USE, bench.FP4_FP8_TRITON,
          bench.FP8_BASELINE_LEAN_PERMUTE)
