@@ -66,7 +66,7 @@ def parts(e) -> dict:
 
     r = e.peak_rank
     allocated = {"weights": r.static.weights, "grads": r.static.grads + r.static.optimizer,
-                 "activations": r.activations, "transient": r.transient + r.static.workspace}
+                 "activations": r.activations, "transient": r.transient + r.static.buffers}
     return {k: v / GIB for k, v in {**allocated, **e.device.as_dict()}.items()}
 
 

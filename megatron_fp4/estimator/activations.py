@@ -30,6 +30,7 @@ Each function returns {component: bytes}; `recompute` drops what Megatron recomp
 from dataclasses import dataclass
 
 from ..options import RECOMPUTED_BY, LinearRole
+from . import te
 from .params import fp8_linear_copy_elements, fp8_linear_shapes
 from .precision import FP8_1X128_BYTES, FP8_128X128_BYTES, MXFP4_BYTES, Precision
 from .recompute import NONE, Recompute
@@ -389,7 +390,8 @@ def backward_working_set(c: Ctx, kind: str) -> float:
     least as large). The attention backward (after it, the MLP's saved tensors freed): what its
     recompute restores plus, for unfused attention, its score-sized buffers and gradients in flight
     (_unfused_attention_backward), for fused attention two of its largest tensors. Each phase also
-    holds the FP8 W^T of its largest data-gradient GEMM of ours (transposed_weight)."""
+    holds the FP8 W^T of its largest data-gradient GEMM of ours (transposed_weight); an MoE layer's MLP
+    phase on Transformer Engine's grouped experts also fc1's dummy weight gradients (te.py)."""
     full_attention, full_mlp = _parts(c.with_recompute(NONE), kind)
     restored_attention, restored_mlp = _restored(c, kind)
     transposed_attention, transposed_mlp = transposed_weight(c, kind)
@@ -397,6 +399,8 @@ def backward_working_set(c: Ctx, kind: str) -> float:
     if kind == MOE:
         largest_mlp = max(largest_mlp, expert_rows(c) * c.s.hidden * c.p.model_bytes)
     mlp_phase = restored_mlp + 2 * largest_mlp + transposed_mlp
+    if kind == MOE:  # Transformer Engine's grouped experts: fc1's per-expert dummy weight gradients
+        mlp_phase += te.grouped_dummy_wgrads_bytes(c.s, c.par, c.p.model_bytes, c.p.fp8_experts)
     if c.s.fused_attention:
         attention_buffers = 2 * max(full_attention.values())
     else:

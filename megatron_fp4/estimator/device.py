@@ -19,7 +19,7 @@ allocated`, the estimate's peak. Four named rows, each an assumption stated with
 - deepep: DeepEP's buffers under the flex dispatcher (Megatron's fused_a2a.get_buffer: the larger of
   the dispatch and combine configs' size hints, DeepEP's default configs for the EP size, hidden
   bytes of BF16 rows, `moe_flex_dispatcher_num_sms` (or the deprecated `moe_deepep_num_sms`) SMs,
-  20 by default): the NVLink buffer, and across nodes the RDMA buffer in NVSHMEM's symmetric heap,
+  20 by default): the NVLink buffer, its 32 MiB workspace (cudaMalloc'd by every Buffer), and across nodes the RDMA buffer in NVSHMEM's symmetric heap,
   which DeepEP grows in 512 MiB steps (NVSHMEM_CUMEM_GRANULARITY). With --moe-fp4-dispatch the same:
   its MXFP4 rows (H/2 + H/32 bytes) are narrower than the BF16 combine's 2H, for which dispatch/
   deepep.py sizes the one shared buffer (hidden_bytes = 2H, as Megatron's BF16 dispatch does).
@@ -52,6 +52,7 @@ DEEPEP_TOKEN_META_BYTES = 8 + 128 * 8 + 128 * 4 + 128 * 4  # source meta, top-k 
 DEEPEP_RECV_TOKENS = {2: (256, 128), 4: (256, 128), 8: (256, 128), 16: (288, 128), 24: (288, 128),
                       32: (288, 128), 64: (288, 128), 128: (560, 128)}
 NVSHMEM_GRANULARITY = 2**29
+DEEPEP_WORKSPACE_BYTES = 32 * MIB  # csrc: NUM_WORKSPACE_BYTES, allocated with the buffer
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def deepep_num_sms(args) -> int:
 
 
 def deepep_bytes(args, s: ModelShape, par: Parallel) -> float:
-    """DeepEP's NVLink buffer plus, across nodes, its RDMA buffer (normal mode)."""
+    """DeepEP's NVLink buffer and workspace plus, across nodes, its RDMA buffer (normal mode)."""
     if not (s.experts and par.ep > 1 and uses_deepep(args)):
         return 0.0
     if par.ep not in DEEPEP_RECV_TOKENS:
@@ -96,6 +97,7 @@ def deepep_bytes(args, s: ModelShape, par: Parallel) -> float:
     hidden_bytes = s.hidden * 2
     nvl_ranks, rdma_ranks = min(par.ep, DEEPEP_NVL_PEERS), max(par.ep // DEEPEP_NVL_PEERS, 1)
     nvl = channels * nvl_ranks * (nvl_tokens * (hidden_bytes + DEEPEP_TOKEN_META_BYTES) + (2 * rdma_ranks + 3) * 4)
+    nvl += DEEPEP_WORKSPACE_BYTES
     if par.ep <= DEEPEP_NVL_PEERS:
         return float(nvl)
     rdma = channels * rdma_ranks * 2 * (rdma_tokens * (hidden_bytes + DEEPEP_TOKEN_META_BYTES + 16)

@@ -48,7 +48,7 @@ def bar_of(e: Estimate) -> Bar:
     r = e.peak_rank
     mode = f", {e.mode}" if e.precision.name == "fp4" else ""
     label = f"{display_name(e.config)}\n{e.precision.name}{mode}, recompute {e.recompute.label()}"
-    values = (r.static.weights, r.static.grads, r.static.optimizer, r.activations, r.transient + r.static.workspace,
+    values = (r.static.weights, r.static.grads, r.static.optimizer, r.activations, r.transient + r.static.buffers,
               e.device.total)
     return Bar(label, {part: value / GIB for (part, _), value in zip(PARTS, values)}, e.gpu_memory_gib, e.verdict)
 

@@ -31,7 +31,7 @@ def row(e: Estimate) -> list[str]:
     mode = e.mode if e.precision.name == "fp4" else ""
     return [display_name(e.config), e.precision.name, mode, e.recompute.label(),
             f"{r.static.weights / GIB:.2f}", f"{r.static.grads / GIB:.2f}", f"{r.static.optimizer / GIB:.2f}",
-            f"{r.activations / GIB:.2f}", f"{(r.transient + r.static.workspace) / GIB:.2f}",
+            f"{r.activations / GIB:.2f}", f"{(r.transient + r.static.buffers) / GIB:.2f}",
             f"{e.peak_gib:.2f}", f"{e.device.total / GIB:.2f}", f"{e.device_peak_gib:.2f}", percent, fits,
             f"{e.a2a.total / 1e9:.1f}"]
 
@@ -45,7 +45,8 @@ def table(estimates: list[Estimate]) -> str:
         lines.append("  ".join(cells).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
-    notes = [("GiB = 2^30 bytes, per GPU, on the pipeline rank with the largest peak; peak = PyTorch's max allocated; "
+    notes = [("GiB = 2^30 bytes, per GPU, on the pipeline rank with the largest peak; transient = the backward's working "
+              "set plus persistent buffers (--detail lists them); peak = PyTorch's max allocated; "
               "device = CUDA context + NCCL + DeepEP buffers + the allocator's reserve (assumptions: docs/estimator.md); "
               "GPU GiB = peak + device, what a GPU monitor shows, which % GPU and fits compare with the GPU ('tight': "
               "fits only if the allocator gives its reserve back); a2a GB = 10^9 bytes the same GPU sends per step "
@@ -65,6 +66,9 @@ def detail(e: Estimate) -> str:
              f"peak rank {r.rank}, micro-batches held per chunk {r.held}, per-rank peaks GiB "
              + " ".join(f"{x.peak / GIB:.1f}" for x in e.ranks),
              f"  device-level rows, GiB: {device}",
+             f"  persistent buffers, GiB (in the transient column): unfused attention's score buffer "
+             f"{r.static.workspace / GIB:.2f}, Transformer Engine's workspaces and dummy weight gradients "
+             f"{r.static.te_buffers / GIB:.2f}",
              "  saved activations by tensor, GiB: one micro-batch of this rank's chunks | held at the peak"]
     for key, value in sorted(r.components.items(), key=lambda kv: -kv[1]):
         if value / GIB >= 0.0005:

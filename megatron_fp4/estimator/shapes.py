@@ -47,6 +47,9 @@ class ModelShape:
     # --moe-fp4-fused-attention: keeps its output and log-sum-exp) or Megatron's local
     # DotProductAttention (keeps the [b, heads, s, s] probabilities).
     fused_attention: bool
+    grouped_gemm: bool = False  # --moe-grouped-gemm: the routed experts in one grouped module
+    # Megatron's gradient-accumulation fusion on Transformer Engine's layers (estimator/te.py)
+    wgrad_fusion: bool = False
 
     @property
     def mtp_is_moe(self) -> bool:
@@ -136,6 +139,8 @@ def model_shape(args) -> ModelShape:
         qk_layernorm=bool(args.qk_layernorm),
         te=args.transformer_impl == "transformer_engine",
         fused_attention=args.transformer_impl == "transformer_engine" or bool(args.moe_fp4_fused_attention),
+        grouped_gemm=bool(args.moe_grouped_gemm),
+        wgrad_fusion=args.transformer_impl == "transformer_engine" and bool(args.gradient_accumulation_fusion),
     )
 
 

@@ -21,7 +21,7 @@ def test_plot_bars_are_the_tables_columns():
         r = e.peak_rank
         assert list(bar.parts) == [part for part, _ in PARTS]
         assert bar.parts["optimizer"] == r.static.optimizer / GIB
-        assert bar.parts["transient"] == (r.transient + r.static.workspace) / GIB  # as the table's column
+        assert bar.parts["transient"] == (r.transient + r.static.buffers) / GIB  # as the table's column
         assert bar.parts["device"] == e.device.total / GIB  # the device-level rows, stacked last
         assert bar.peak_gib == pytest.approx(e.device_peak_gib)
         assert (bar.capacity_gib, bar.fits) == (e.gpu_memory_gib, e.fits)
