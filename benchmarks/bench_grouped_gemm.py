@@ -163,10 +163,8 @@ def cols_operands(m_counts: torch.Tensor, n: int, k: int):
 
 
 def experts_rows_config(gpu: torch.device, name: str, n: int, k: int) -> Config:
-    """The backend and tiles the FP8 experts use for this forward / data-gradient GEMM where they
-    group it (ExpertGemms.GROUPED, and AUTO above PER_EXPERT_MAX_EXPERTS local experts on SM90, at or
-    below which AUTO runs per_expert_scaled_mm's loop): their backend, or where they leave it to the
-    kernels (None), the device's default; its tiles."""
+    """The backend and tiles the FP8 experts (ExpertGemms.GROUPED) use for this forward / data-gradient
+    GEMM: their backend, or where they leave it to the kernels (None), the device's default; its tiles."""
     backend = grouped_backend(ExpertGemms.GROUPED, name.endswith("_dgrad")) or default_backend(gpu)
     return backend, default_rows_tiles(backend, n, k)
 

@@ -60,9 +60,7 @@ def parse_args(argv):
     p = layer_options(__doc__)
     p.add_argument("--no-experts-table", action="store_true", help="skip the five-layer experts comparison")
     p.add_argument("--gemm-variants", action="store_true",
-                   help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT), FP4 + FP8 "
-                   "with every GEMM grouped (ExpertGemms.GROUPED; the default, AUTO, runs the forward and data-gradient "
-                   "GEMMs per expert at <= 8 local experts on SM90), with "
+                   help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT), with "
                    "their weights quantized per use (--moe-fp4-weights-per-use), on the Triton GEMM kernels "
                    "(ExpertGemms.GROUPED_TRITON; on SM90 the default runs the forward and weight-gradient GEMMs on "
                    "the CUDA ones), and the FP8 baseline behind megatron_fp4's permute (the FP4 layers' atomic-free "
@@ -168,9 +166,6 @@ FP4_FP8 = "FP4 dispatch + FP8 experts"
 FP8_BASELINE_PER_EXPERT = "FP8 baseline, per-expert scaled_mm"
 FP4_FP8_PER_EXPERT = "FP4 dispatch + FP8 experts, per-expert scaled_mm"
 FP4_FP8_WEIGHTS_PER_USE = "FP4 dispatch + FP8 experts, weights quantized per use"
-# Every GEMM on the grouped kernels (ExpertGemms.GROUPED), where the default (AUTO) runs the forward and
-# data-gradient GEMMs per expert at few local experts on SM90.
-FP4_FP8_GROUPED = "FP4 dispatch + FP8 experts, grouped GEMMs only"
 # The grouped GEMMs on the Triton kernels where the CUDA ones are the default (SM90).
 FP4_FP8_TRITON = "FP4 dispatch + FP8 experts, Triton GEMMs"
 # The FP8 baseline with the FP4 layers' permute (dispatch/permute.py): what FP4 dispatch adds or saves
@@ -200,9 +195,7 @@ def experts_layers(args, config, stock, fp4) -> dict:
         for name, options, gemms in ((FP8_BASELINE_PER_EXPERT, FP4Options(experts="fp8"), ExpertGemms.PER_EXPERT),
                                      (FP4_FP8_PER_EXPERT, FP4Options(dispatch=True, dispatch_grad=args.grad,
                                                                      experts="fp8"), ExpertGemms.PER_EXPERT),
-                                     (FP4_FP8_WEIGHTS_PER_USE, per_use, ExpertGemms.AUTO),
-                                     (FP4_FP8_GROUPED, FP4Options(dispatch=True, dispatch_grad=args.grad,
-                                                                  experts="fp8"), ExpertGemms.GROUPED),
+                                     (FP4_FP8_WEIGHTS_PER_USE, per_use, ExpertGemms.GROUPED),
                                      (FP4_FP8_TRITON, FP4Options(dispatch=True, dispatch_grad=args.grad,
                                                                  experts="fp8"), ExpertGemms.GROUPED_TRITON)):
             layer = build_moe_layer(config, options).cuda()

@@ -1,8 +1,7 @@
 """The experts' forward and backward as one autograd function over all local experts.
 
 Every GEMM is one grouped FP8 launch over all local experts' ragged token segments
-(kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (fp8/gemm.py), whichever
-ExpertGemms picks for it.
+(kernels/grouped_fp8_gemm.py), or one cuBLASLt scaled_mm per expert (ExpertGemms, fp8/gemm.py).
 Forward: fc1 = X W1^T (X from the MXFP4 payload by the exact FP4 -> FP8 row conversion, or quantized
 from BF16 for the FP8 baseline), SwiGLU times the probs, fc2 = H W2^T from 1x128 rows of H (the
 SwiGLU kernel writes them, and the copies of its input and output that backward reads). Weights are
@@ -30,7 +29,6 @@ import torch
 from .. import kernels as K
 from ..fp8 import FP8WeightCache, TokenSegments, fp8_weights, segment_products, segment_wgrad
 from ..kernels import GemmBackend
-from ..kernels.grouped_fp8_gemm import default_backend
 from ..kernels.swiglu import swiglu_with_probs_backward
 from ..kernels.swiglu_forward import SwiGLUOutputs, swiglu_quantized
 from ..main_grad import added_to_main_grad, fused_main_grads
@@ -39,11 +37,8 @@ from ..tensors import FP8BlockTensor, FP8StackedWeights, MXFP4Tensor
 
 
 class ExpertGemms(Enum):
-    """How the experts' FP8 GEMMs run (all compute the same block-scaled products)."""
+    """How the experts' FP8 GEMMs run (both compute the same block-scaled products)."""
 
-    # The default: GROUPED, except that on an SM90 GPU with at most PER_EXPERT_MAX_EXPERTS local experts
-    # the forward and data-gradient GEMMs run one scaled_mm per expert (PER_EXPERT's), faster there.
-    AUTO = "auto"
     # One launch per GEMM over all local experts (kernels/grouped_fp8_gemm.py): the CUDA C++ kernels on
     # SM90 GPUs for the forward GEMMs and weight gradients, the Triton kernels for the data gradients
     # (faster there: DATA_GRADIENT_BACKEND) and elsewhere (the same bits). Dispatched MXFP4 tokens are
@@ -51,22 +46,6 @@ class ExpertGemms(Enum):
     GROUPED = "grouped"
     GROUPED_TRITON = "grouped_triton"  # GROUPED on the Triton kernels on every GPU
     PER_EXPERT = "per_expert"  # one cuBLASLt scaled_mm per expert with tokens, from Python (fp8/gemm.py)
-
-
-# At 8 local experts (DeepSeek-V3's count at EP 32; 32768 ragged rows) cuBLASLt's scaled_mm per expert ran
-# the forward and data-gradient GEMMs 1.30x-1.49x faster than the grouped kernels on an H100 (rows of
-# benchmarks/results/grouped_gemm.jsonl, 299565e: fc1 / fc2 forward 1612 / 1364 against 1123 / 952
-# TFLOP/s, data gradients 1347 / 1501 against 1035 / 1009); at 32 its host loop ties them. Its weight
-# gradients stay grouped (per expert they would add a BF16 product into the fp32 accumulator).
-PER_EXPERT_MAX_EXPERTS = 8
-
-
-def rows_per_expert(gemms: ExpertGemms, segments: TokenSegments, device: torch.device) -> bool:
-    """Whether a forward / data-gradient GEMM over `segments` runs one scaled_mm per expert."""
-    if gemms is ExpertGemms.PER_EXPERT:
-        return True
-    return (gemms is ExpertGemms.AUTO and len(segments.counts) <= PER_EXPERT_MAX_EXPERTS
-            and default_backend(device) is GemmBackend.CUDA_SM90)
 
 
 # The experts' data gradients (dY W_e, from W_e^T's blocks) run on the Triton kernel on every GPU: in
@@ -86,7 +65,7 @@ class ExpertsCall:
     accumulate_in_main_grad: bool  # Megatron's gradient_accumulation_fusion
     backward_follows: bool = True  # False: a no-grad forward (eval, a checkpointed first pass) saves nothing
     weight_cache: Optional[FP8WeightCache] = None  # the module's FP8 weights for the step; None: per use
-    gemms: ExpertGemms = ExpertGemms.AUTO
+    gemms: ExpertGemms = ExpertGemms.GROUPED
     telemetry: Optional[Telemetry] = None  # counts the MXFP4 activations saved for backward
     # With a payload: the SwiGLU and fc2 inputs kept in MXFP4. False inside Megatron's recompute, where
     # nothing inexact is kept in FP4, and under --moe-fp4-storage none: then BF16 SwiGLU input and FP8
@@ -262,17 +241,16 @@ def _linear_forward(call: ExpertsCall, rows, weights: FP8StackedWeights, dtype,
                     data_gradient: bool = False) -> torch.Tensor:
     """Y = X W_e^T for every expert segment, in FP8 (X in 1x128 rows, W_e in 128x128 blocks); a data
     gradient when X is the output gradient and W_e^T the weights."""
-    if rows_per_expert(call.gemms, call.segments, rows.data.device):
+    if call.gemms is ExpertGemms.PER_EXPERT:
         return segment_products(call.segments, rows, weights, dtype)
     return K.grouped_gemm_by_weight(rows, weights, call.segments.row_offsets_device, dtype,
                                     backend=grouped_backend(call.gemms, data_gradient), check_offsets=False)
 
 
 def grouped_backend(gemms: ExpertGemms, data_gradient: bool = False) -> Optional[GemmBackend]:
-    """The backend of a grouped GEMM under `gemms` (at its default tiles): GROUPED (and AUTO where it
-    groups) leaves the forward GEMMs and weight gradients to the kernels' default (None: the CUDA
-    kernels on SM90) and runs data gradients on DATA_GRADIENT_BACKEND; GROUPED_TRITON runs all on the
-    Triton kernels."""
+    """The backend of a grouped GEMM under `gemms` (at its default tiles): GROUPED leaves the forward
+    GEMMs and weight gradients to the kernels' default (None: the CUDA kernels on SM90) and runs data
+    gradients on DATA_GRADIENT_BACKEND; GROUPED_TRITON runs all on the Triton kernels."""
     if gemms is ExpertGemms.GROUPED_TRITON:
         return GemmBackend.TRITON
     return DATA_GRADIENT_BACKEND if data_gradient else None

@@ -301,24 +301,21 @@ def test_the_cuda_gemms_give_the_triton_gemms_bits(model_parallel, device):
             assert torch.equal(ours, theirs), (e, fc)
 
 
-@pytest.mark.parametrize("gemms", ["auto", "grouped", "grouped_triton"])
+@pytest.mark.parametrize("gemms", ["grouped", "grouped_triton"])
 def test_grouped_gemms_name_their_backend(model_parallel, device, monkeypatch, gemms):
-    """ExpertGemms.GROUPED (and AUTO off SM90 or above 8 local experts): the forward GEMMs and weight
-    gradients leave the backend to the kernels' default (None: the CUDA kernels on SM90), the two data
-    gradients run on DATA_GRADIENT_BACKEND (the Triton kernel, faster there); GROUPED_TRITON: every
-    GEMM on the Triton kernels. Tiles are always the backend's defaults."""
+    """ExpertGemms.GROUPED: the forward GEMMs and weight gradients leave the backend to the kernels'
+    default (None: the CUDA kernels on SM90), the two data gradients run on DATA_GRADIENT_BACKEND (the
+    Triton kernel, faster there); GROUPED_TRITON: every GEMM on the Triton kernels. Tiles are always
+    the backend's defaults."""
     from megatron_fp4 import kernels as K
     from megatron_fp4.experts import ExpertGemms
-    from megatron_fp4.experts import function
     from megatron_fp4.experts.function import DATA_GRADIENT_BACKEND
     from megatron_fp4.kernels import GemmBackend
 
     payload, probs, grad = _inputs(device)
     layer = _build(model_parallel, device)
-    assert layer.gemms is ExpertGemms.AUTO
+    assert layer.gemms is ExpertGemms.GROUPED
     layer.gemms = ExpertGemms(gemms)
-    # AUTO groups every GEMM unless on SM90 with few experts (the next test): make this the former.
-    monkeypatch.setattr(function, "PER_EXPERT_MAX_EXPERTS", 0)
     asked = {"rows": [], "wgrad": []}
     real_rows, real_wgrad = K.grouped_gemm_by_weight, K.grouped_wgrad
 
@@ -329,62 +326,12 @@ def test_grouped_gemms_name_their_backend(model_parallel, device, monkeypatch, g
     monkeypatch.setattr(K, "grouped_gemm_by_weight", spy("rows", real_rows))
     monkeypatch.setattr(K, "grouped_wgrad", spy("wgrad", real_wgrad))
     _run(layer, ref.dequantize_mxfp4(payload), probs, grad, payload)
-    if layer.gemms is not ExpertGemms.GROUPED_TRITON:
+    if layer.gemms is ExpertGemms.GROUPED:
         assert DATA_GRADIENT_BACKEND is GemmBackend.TRITON
         assert asked["rows"] == [(None, None)] * 2 + [(None, DATA_GRADIENT_BACKEND)] * 2
         assert asked["wgrad"] == [(None, None)] * 2
     else:
         assert asked["rows"] == [(None, GemmBackend.TRITON)] * 4 and asked["wgrad"] == [(None, GemmBackend.TRITON)] * 2
-
-
-@pytest.mark.parametrize("max_experts", [len(COUNTS), len(COUNTS) - 1])
-def test_auto_runs_forward_and_data_gradients_per_expert_on_sm90_with_few_experts(model_parallel, device, monkeypatch,
-                                                                                   max_experts):
-    """ExpertGemms.AUTO (the default) on an SM90 GPU (stood in for here) with at most
-    PER_EXPERT_MAX_EXPERTS local experts: the two forward and two data-gradient GEMMs run one
-    scaled_mm per expert with tokens, the weight gradients stay grouped; with more experts all four
-    are grouped. Off SM90 it groups them all (the test above). The results agree with the grouped
-    GEMMs' within the per-expert bound (test_per_expert_gemms_match_the_grouped_ones)."""
-    from megatron_fp4 import kernels as K
-    from megatron_fp4.experts import ExpertGemms, function
-    from megatron_fp4.kernels import GemmBackend
-
-    payload, probs, grad = _inputs(device)
-    received = ref.dequantize_mxfp4(payload)
-    expected = _run(_grouped(model_parallel, device), received, probs, grad, payload)
-    monkeypatch.setattr(function, "default_backend", lambda _device: GemmBackend.CUDA_SM90)
-    monkeypatch.setattr(function, "PER_EXPERT_MAX_EXPERTS", max_experts)
-    calls = {"per_expert": 0, "rows": 0, "wgrad": 0}
-    real_products, real_rows, real_wgrad = function.segment_products, K.grouped_gemm_by_weight, K.grouped_wgrad
-
-    def count(kind, real):
-        def spy(*args, **kwargs):
-            calls[kind] += 1
-            return real(*args, **kwargs)
-        return spy
-
-    monkeypatch.setattr(function, "segment_products", count("per_expert", real_products))
-    monkeypatch.setattr(K, "grouped_gemm_by_weight", count("rows", real_rows))
-    monkeypatch.setattr(K, "grouped_wgrad", count("wgrad", real_wgrad))
-    layer = _build(model_parallel, device)
-    assert layer.gemms is ExpertGemms.AUTO
-    result = _run(layer, received, probs, grad, payload)
-    few = len(COUNTS) <= max_experts
-    assert calls == ({"per_expert": 4, "rows": 0, "wgrad": 2} if few else {"per_expert": 0, "rows": 4, "wgrad": 2})
-    for name, a, b in [("output", result[0], expected[0]), ("input grad", result[1], expected[1]),
-                       ("probs grad", result[2], expected[2])]:
-        if few:
-            assert _relative(a, b) < 2e-2, name
-        else:
-            assert torch.equal(a, b), name
-
-
-def _grouped(model_parallel, device):
-    from megatron_fp4.experts import ExpertGemms
-
-    layer = _build(model_parallel, device)
-    layer.gemms = ExpertGemms.GROUPED
-    return layer
 
 
 def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):
