@@ -1,6 +1,6 @@
 """Where a MoE layer's GPU time goes, by kind of kernel: the profiler's kernel names sorted into the
 parts of the layer a change would target (the experts' GEMMs, the weights' FP8 copies, the
-quantizers, SwiGLU, the permutation, the rest), so that a breakdown can be written as rows and two
+quantizers, SwiGLU, the router, the permutation, the rest), so that a breakdown can be written as rows and two
 commits compared part by part. The first pattern a kernel's name matches decides its part."""
 
 import re
@@ -16,10 +16,12 @@ PARTS: List[Tuple[str, str]] = [
     ("SwiGLU forward and backward", r"_swiglu"),
     ("activation quantizers and MXFP4 -> FP8", r"_quantize_mxfp4|_dequantize_mxfp4|_mxfp4_to_fp8|"
                                                r"_quantize_fp8_rows|_quantize_fp8_cols|_dequantize_fp8"),
+    # Before the permutation's patterns: long template names of these can hold "index" or "gather".
+    ("other GEMMs (router, per-expert scaled_mm, BF16 experts)", r"gemm|Gemm|nvjet|xmma|cutlass"),
+    ("router: softmax and top-k", r"[Tt]op[Kk]|SortKV|[Ss]oft[Mm]ax"),
     ("permutation: sort, gathers, scatters, token sums", r"_sum_rows_by_token|[Ss]ort|index|gather|scatter"),
-    ("other GEMMs (router, per-expert scaled_mm)", r"gemm|Gemm|nvjet|xmma|cutlass"),
 ]
-OTHER = "other kernels (router softmax / top-k, copies, fills, reductions)"
+OTHER = "other kernels (copies, fills, reductions, element-wise)"
 
 
 def part_of(kernel_name: str) -> str:

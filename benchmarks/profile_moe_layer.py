@@ -67,6 +67,10 @@ def main(argv=None) -> int:
     unknown = [name for name in layer_names if name not in LAYERS]
     if unknown:
         raise SystemExit(f"--layer takes a comma-separated list of {sorted(LAYERS)}, got {unknown}")
+    cached = [name for name in layer_names if LAYERS[name][3]]
+    if args.rows and cached:
+        raise SystemExit(f"--rows profiles forward alone, which would fill the recompute cache of {cached} with "
+                         "payloads no backward takes: profile those layers without --rows")
     from megatron.core import parallel_state
 
     rank, world, log, recorder = start_expert_parallel(args, BREAKDOWN_BENCH, f"profiling {', '.join(layer_names)}")

@@ -30,7 +30,7 @@ Each function returns {component: bytes}; `recompute` drops what Megatron recomp
 from dataclasses import dataclass
 
 from ..options import RECOMPUTED_BY, LinearRole
-from . import te
+from . import wgrad_buffers
 from .params import fp8_linear_copy_elements, fp8_linear_shapes
 from .precision import FP8_1X128_BYTES, FP8_128X128_BYTES, MXFP4_BYTES, Precision
 from .recompute import NONE, Recompute
@@ -391,7 +391,7 @@ def backward_working_set(c: Ctx, kind: str) -> float:
     recompute restores plus, for unfused attention, its score-sized buffers and gradients in flight
     (_unfused_attention_backward), for fused attention two of its largest tensors. Each phase also
     holds the FP8 W^T of its largest data-gradient GEMM of ours (transposed_weight); an MoE layer's MLP
-    phase on Transformer Engine's grouped experts also fc1's dummy weight gradients (te.py)."""
+    phase on Transformer Engine's grouped experts also fc1's dummy weight gradients (wgrad_buffers.py)."""
     full_attention, full_mlp = _parts(c.with_recompute(NONE), kind)
     restored_attention, restored_mlp = _restored(c, kind)
     transposed_attention, transposed_mlp = transposed_weight(c, kind)
@@ -400,7 +400,7 @@ def backward_working_set(c: Ctx, kind: str) -> float:
         largest_mlp = max(largest_mlp, expert_rows(c) * c.s.hidden * c.p.model_bytes)
     mlp_phase = restored_mlp + 2 * largest_mlp + transposed_mlp
     if kind == MOE:  # Transformer Engine's grouped experts: fc1's per-expert dummy weight gradients
-        mlp_phase += te.grouped_dummy_wgrads_bytes(c.s, c.par, c.p.model_bytes, c.p.fp8_experts)
+        mlp_phase += wgrad_buffers.grouped_dummy_wgrads_bytes(c.s, c.par, c.p)
     if c.s.fused_attention:
         attention_buffers = 2 * max(full_attention.values())
     else:

@@ -76,7 +76,7 @@ class Estimate:
             "grads_gib": r.static.grads / GIB,
             "optimizer_gib": r.static.optimizer / GIB,
             "workspace_gib": r.static.workspace / GIB,
-            "te_buffers_gib": r.static.te_buffers / GIB,
+            "wgrad_buffers_gib": r.static.wgrad_buffers / GIB,
             "activations_gib": r.activations / GIB,
             "transient_gib": r.transient / GIB,
             "peak_gib": self.peak_gib,

@@ -13,7 +13,7 @@ its fp32 copy.
 from dataclasses import dataclass, field
 
 from . import activations as act
-from . import te
+from . import wgrad_buffers
 from .params import rank_params
 from .precision import Precision
 from .recompute import Recompute
@@ -123,8 +123,8 @@ def rank_memory(args, c: act.Ctx, rank: int, workspace: float) -> RankMemory:
         getattr(args, "microbatch_group_size_per_vp_stage", None) or par.pp,
         forward_extra=[e[0] for e in extras], backward_extra=[e[1] for e in extras])
     counts = rank_params(s, par, rank, c.bias, c.p.fp8_linear_roles)
-    te_buffers = te.persistent_bytes(s, par, chunks, c.p.model_bytes, c.p.fp8_experts)
-    static = static_memory(args, counts, c.p, par.dp, par.edp, workspace, te_buffers)
+    static = static_memory(args, counts, c.p, par.dp, par.edp, workspace,
+                           wgrad_buffers.persistent_bytes(s, par, c.p, chunks))
     components: dict[str, float] = {}
     held_components: dict[str, float] = {}
     for p, n in zip(parts, held):

@@ -67,8 +67,8 @@ def detail(e: Estimate) -> str:
              + " ".join(f"{x.peak / GIB:.1f}" for x in e.ranks),
              f"  device-level rows, GiB: {device}",
              f"  persistent buffers, GiB (in the transient column): unfused attention's score buffer "
-             f"{r.static.workspace / GIB:.2f}, Transformer Engine's workspaces and dummy weight gradients "
-             f"{r.static.te_buffers / GIB:.2f}",
+             f"{r.static.workspace / GIB:.2f}, cuBLAS workspaces and cached dummy weight gradients "
+             f"{r.static.wgrad_buffers / GIB:.2f}",
              "  saved activations by tensor, GiB: one micro-batch of this rank's chunks | held at the peak"]
     for key, value in sorted(r.components.items(), key=lambda kv: -kv[1]):
         if value / GIB >= 0.0005:

@@ -48,7 +48,7 @@ class ModelShape:
     # DotProductAttention (keeps the [b, heads, s, s] probabilities).
     fused_attention: bool
     grouped_gemm: bool = False  # --moe-grouped-gemm: the routed experts in one grouped module
-    # Megatron's gradient-accumulation fusion on Transformer Engine's layers (estimator/te.py)
+    # Megatron's gradient-accumulation fusion: weight gradients added into main_grad (wgrad_buffers.py)
     wgrad_fusion: bool = False
 
     @property
@@ -140,7 +140,7 @@ def model_shape(args) -> ModelShape:
         te=args.transformer_impl == "transformer_engine",
         fused_attention=args.transformer_impl == "transformer_engine" or bool(args.moe_fp4_fused_attention),
         grouped_gemm=bool(args.moe_grouped_gemm),
-        wgrad_fusion=args.transformer_impl == "transformer_engine" and bool(args.gradient_accumulation_fusion),
+        wgrad_fusion=bool(args.gradient_accumulation_fusion),
     )
 
 

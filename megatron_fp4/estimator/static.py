@@ -33,12 +33,13 @@ class Static:
     grads: float
     optimizer: float
     workspace: float = 0.0  # persistent buffers (unfused attention's score buffer)
-    te_buffers: float = 0.0  # Transformer Engine's workspaces and cached dummy weight gradients (te.py)
+    # cuBLAS workspaces and cached dummy weight gradients of the weight-gradient path (wgrad_buffers.py)
+    wgrad_buffers: float = 0.0
 
     @property
     def buffers(self) -> float:
         """Persistent buffers that are neither weights nor optimizer state."""
-        return self.workspace + self.te_buffers
+        return self.workspace + self.wgrad_buffers
 
     @property
     def total(self) -> float:
@@ -59,7 +60,7 @@ def optimizer_bytes_per_param(args) -> float:
 
 
 def static_memory(args, counts: ParamCount, p: Precision, dp: int, edp: int, workspace: float = 0.0,
-                  te_buffers: float = 0.0) -> Static:
+                  wgrad_buffers: float = 0.0) -> Static:
     weights = counts.total * p.model_bytes
     if p.fp8:  # Transformer Engine's GEMMs: those not replaced by ours (fp8_linear: the FP8 roles' only)
         gemm = counts.dense_gemm - counts.fp8_linear + (0 if p.fp8_experts else counts.expert_gemm)
@@ -76,4 +77,5 @@ def static_memory(args, counts: ParamCount, p: Precision, dp: int, edp: int, wor
         optimizer = per * (counts.dense / dp + counts.expert / edp)
     else:
         optimizer = per * counts.total
-    return Static(weights=weights, grads=grads, optimizer=optimizer, workspace=workspace, te_buffers=te_buffers)
+    return Static(weights=weights, grads=grads, optimizer=optimizer, workspace=workspace,
+                  wgrad_buffers=wgrad_buffers)

@@ -331,7 +331,7 @@ def test_cli_prints_the_table_and_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data[0]["optimizer_gib"] == 0  # the config offloads it
     assert data[0]["peak_gib"] == pytest.approx(sum(data[0][k] for k in (
-        "weights_gib", "grads_gib", "optimizer_gib", "workspace_gib", "te_buffers_gib", "activations_gib",
+        "weights_gib", "grads_gib", "optimizer_gib", "workspace_gib", "wgrad_buffers_gib", "activations_gib",
         "transient_gib")))
     assert _main(["estimate", str(ROOT / "configs" / "no_such.yaml")]) == 2
 

@@ -12,7 +12,7 @@ from megatron_fp4.estimator import GIB, estimate
 from megatron_fp4.estimator.device import (ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES, NCCL_CHANNELS,
                                            NCCL_RING_BYTES_PER_CHANNEL, P2P_BYTES_PER_PEER)
 from megatron_fp4.estimator.precision import FP8_1X128_BYTES, MXFP4_BYTES
-from megatron_fp4.estimator.te import CUBLAS_WORKSPACE_BYTES
+from megatron_fp4.estimator.wgrad_buffers import CUBLAS_WORKSPACE_BYTES
 from megatron_fp4.run_config import load_config, parse_config_argv, validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,34 +197,39 @@ def test_our_recompute_experts_flag_is_estimated_as_moe_expert():
         assert not {"moe.expert_fc1_in", "moe.expert_fc1_out", "moe.expert_fc2_in"} & set(c), precision
 
 
-def test_transformer_engine_buffers_are_the_stated_quantities():
-    """estimator/te.py on the family (TP 1, 256 experts, BF16): the persistent buffers of a stage of MoE
-    layers, a stage with the output layer, and the grouped experts' fc1 dummy gradients in the MoE
-    backward's working set; none for our FP8 experts and linears on local layers."""
+def test_weight_gradient_buffers_are_the_stated_quantities():
+    """estimator/wgrad_buffers.py on the family (TP 1, 256 experts, BF16, gradient-accumulation fusion):
+    on Transformer Engine's layers the cuBLAS workspaces (four more where its grouped experts run), one
+    cached dummy weight gradient per distinct linear shape (the output layer's on the last rank), and
+    the grouped experts' fc1 dummies in the MoE backward's working set; on our FP8 layers their own
+    cached dummies (the experts' two shapes among them) and no workspace."""
     mla = [(1536, 7168), (576, 7168), (7168, 128 * 128), (128 * 192, 1536), (128 * 256, 512)]
     shared, dense = [(2 * 2048, 7168), (7168, 2048)], [(2 * 18432, 7168), (7168, 18432)]
     moe_stage, dense_stage = (sum(n * k for n, k in mla + mlp) * 2 for mlp in (shared, dense))
     both = sum(n * k for n, k in mla + shared + dense) * 2
-    workspaces = 5 * CUBLAS_WORKSPACE_BYTES  # one, and one per stream of the grouped GEMMs' four
+    experts = (2 * 2048 * 7168 + 7168 * 2048) * 2
     e = family("bf16_ep8_full")
     ranks = {r.rank: r for r in e.ranks}
     assert [[kind for kind, _ in chunk] for r in (0, 1, 2, 3) for chunk in e.parallel.chunks[r]] == [
         ["embedding"], ["dense", "dense"], ["dense", "moe"], ["moe", "moe"]]
-    assert ranks[0].static.te_buffers == workspaces  # the embedding alone: no linear
-    assert ranks[1].static.te_buffers == workspaces + dense_stage
-    assert ranks[2].static.te_buffers == workspaces + both  # MLA's shapes once: one dummy per shape
-    assert ranks[3].static.te_buffers == workspaces + moe_stage
-    assert ranks[31].static.te_buffers == workspaces + moe_stage + 129280 * 7168 * 2  # + the output layer
+    one, grouped = CUBLAS_WORKSPACE_BYTES, 5 * CUBLAS_WORKSPACE_BYTES  # + one per stream of the grouped GEMMs
+    assert ranks[0].static.wgrad_buffers == 0  # the embedding alone: no linear
+    assert ranks[1].static.wgrad_buffers == one + dense_stage
+    assert ranks[2].static.wgrad_buffers == grouped + both  # MLA's shapes once: one dummy per shape
+    assert ranks[3].static.wgrad_buffers == grouped + moe_stage
+    assert ranks[31].static.wgrad_buffers == grouped + moe_stage + 129280 * 7168 * 2  # + the output layer
     fc1_dummies = {ep: 256 // ep * 2 * 2048 * 7168 * 2 for ep in LAYOUTS}
     assert fc1_dummies[8] / GIB == pytest.approx(1.75)
     for ep in LAYOUTS:
-        with_te = family(f"bf16_ep{ep}_sel")
-        without = estimate(FAMILY / f"bf16_ep{ep}_sel.yaml", overrides={"no_gradient_accumulation_fusion": True})
-        for a, b in zip(with_te.ranks, without.ranks):
-            assert a.static.te_buffers - b.static.te_buffers == a.static.te_buffers - workspaces  # dummies only
-        moe_ranks = [r for r in with_te.ranks if any(k == "moe" for chunk in with_te.parallel.chunks[r.rank]
-                                                     for k, _ in chunk)]
-        assert any(r.transient - w.transient == pytest.approx(fc1_dummies[ep])
-                   for r, w in zip(moe_ranks, (without.ranks[r.rank] for r in moe_ranks)))
-    fp4 = family("fp4_ep8_sel")  # local layers, our FP8 experts and linears
-    assert all(r.static.te_buffers == 0 for r in fp4.ranks)
+        fused = family(f"bf16_ep{ep}_sel")
+        unfused = estimate(FAMILY / f"bf16_ep{ep}_sel.yaml", overrides={"no_gradient_accumulation_fusion": True})
+        for a, b in zip(fused.ranks, unfused.ranks):
+            assert b.static.wgrad_buffers in (0, one, grouped)  # the workspaces alone
+        r = fused.peak_rank.rank
+        assert "moe" in [kind for chunk in fused.parallel.chunks[r] for kind, _ in chunk]
+        assert fused.ranks[r].transient - unfused.ranks[r].transient == pytest.approx(fc1_dummies[ep])
+    fp4 = family("fp4_ep8_sel")  # local layers: our FP8 linears and experts
+    ranks = {r.rank: r for r in fp4.ranks}
+    assert ranks[0].static.wgrad_buffers == 0 and ranks[3].static.wgrad_buffers == moe_stage + experts
+    assert fp4.ranks[3].transient == estimate(FAMILY / "fp4_ep8_sel.yaml", overrides={
+        "no_gradient_accumulation_fusion": True}).ranks[3].transient  # no grouped-expert dummies of ours
