@@ -233,3 +233,22 @@ def test_weight_gradient_buffers_are_the_stated_quantities():
     assert ranks[0].static.wgrad_buffers == 0 and ranks[3].static.wgrad_buffers == moe_stage + experts
     assert fp4.ranks[3].transient == estimate(FAMILY / "fp4_ep8_sel.yaml", overrides={
         "no_gradient_accumulation_fusion": True}).ranks[3].transient  # no grouped-expert dummies of ours
+
+
+def test_dummy_shapes_split_as_the_layers_do_and_include_mtp():
+    """At TP 2 every linear's dummy halves except MLA's q / kv down-projections (not split over TP);
+    an MTP layer adds its eh_proj [H, 2H] (split) on Transformer Engine's layers."""
+    import dataclasses
+
+    from megatron_fp4.estimator import wgrad_buffers as wb
+    from megatron_fp4.estimator.shapes import MOE, MTP
+
+    e = family("bf16_ep8_full")
+    s, p = e.shape, e.precision
+    tp1, tp2 = e.parallel, dataclasses.replace(e.parallel, tp=2)
+    one = wb._dummy_elements(s, tp1, p, {MOE})
+    two = wb._dummy_elements(s, tp2, p, {MOE})
+    down = 1536 * 7168 + 576 * 7168  # q and kv down-projections
+    assert sum(two.values()) == (sum(one.values()) - down) / 2 + down
+    mtp = wb._dummy_elements(dataclasses.replace(s, mtp_layers=1), tp2, p, {MOE, MTP})
+    assert sum(mtp.values()) - sum(two.values()) == 2 * 7168 * 7168 / 2
