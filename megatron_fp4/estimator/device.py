@@ -19,8 +19,9 @@ allocated`, the estimate's peak. Four named rows, each an assumption stated with
 - deepep: DeepEP's buffers under the flex dispatcher (Megatron's fused_a2a.get_buffer: the larger of
   the dispatch and combine configs' size hints, DeepEP's default configs for the EP size, hidden
   bytes of BF16 rows, `moe_flex_dispatcher_num_sms` (or the deprecated `moe_deepep_num_sms`) SMs,
-  20 by default): the NVLink buffer, its 32 MiB workspace (cudaMalloc'd by every Buffer), and across nodes the RDMA buffer in NVSHMEM's symmetric heap,
-  which DeepEP grows in 512 MiB steps (NVSHMEM_CUMEM_GRANULARITY). With --moe-fp4-dispatch the same:
+  20 by default): the NVLink buffer, its 32 MiB workspace (cudaMalloc'd by every Buffer), and across
+  nodes the RDMA buffer in NVSHMEM's symmetric heap, which DeepEP grows in 512 MiB steps
+  (NVSHMEM_CUMEM_GRANULARITY). With --moe-fp4-dispatch the same:
   its MXFP4 rows (H/2 + H/32 bytes) are narrower than the BF16 combine's 2H, for which dispatch/
   deepep.py sizes the one shared buffer (hidden_bytes = 2H, as Megatron's BF16 dispatch does).
 - allocator_reserve: ALLOCATOR_RESERVE_FRACTION of the peak: what PyTorch's caching allocator holds
