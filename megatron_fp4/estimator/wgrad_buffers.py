@@ -43,32 +43,39 @@ def _rank_layer_kinds(s: ModelShape, chunks) -> set:
     return kinds
 
 
-def _linear_elements(s: ModelShape, par: Parallel, role: LinearRole, index: int, shape) -> tuple:
-    """(an identity of the weight's shape, its elements on this rank)."""
+# The linears whose weight is split along its input over TP (row-parallel): by role, the index in
+# linear_shapes_by_role's list; the others split their output, except MLA's q / kv down-projections.
+_ROW_PARALLEL = {LinearRole.ATTENTION: 2, LinearRole.DENSE_MLP: 1, LinearRole.SHARED_EXPERTS: 1}
+
+
+def _local_shape(s: ModelShape, par: Parallel, role: LinearRole, index: int, shape) -> tuple:
+    """The weight's shape on this rank."""
     out, inp = shape
-    split = not (s.mla and role is LinearRole.ATTENTION and index < 2)  # MLA's q / kv down-projections
-    return (role, index, shape), out * inp / (par.tp if split else 1)
+    if s.mla and role is LinearRole.ATTENTION and index < 2:  # MLA's q / kv down-projections
+        return out, inp
+    if _ROW_PARALLEL.get(role) == index:
+        return out, inp // par.tp
+    return out // par.tp, inp
 
 
-def _dummy_elements(s: ModelShape, par: Parallel, p: Precision, kinds: set) -> dict:
-    """{shape identity: elements} of the weights on this rank whose dummy gradient is cached."""
-    shapes = {}
+def dummy_shapes(s: ModelShape, par: Parallel, p: Precision, kinds: set) -> set:
+    """The shapes of the weights on this rank whose dummy gradient is cached: one dummy per shape,
+    since each cache is keyed by shape (ours shared by our FP8 linears and experts, as Transformer
+    Engine's by its layers), so e.g. DeepSeek-V3's experts share the shared expert's two."""
+    shapes = set()
     for kind in (DENSE, MOE):
         if kind not in kinds:
             continue
         for role, role_shapes in linear_shapes_by_role(s, kind).items():
             if s.te or p.fp8_linear(role):  # Transformer Engine's linears, or ours
-                for index, shape in enumerate(role_shapes):
-                    key, elements = _linear_elements(s, par, role, index, shape)
-                    shapes[key] = elements
-    if MOE in kinds and ((s.te and not s.grouped_gemm) or p.fp8_experts):  # one dummy per expert shape
+                shapes.update(_local_shape(s, par, role, index, shape) for index, shape in enumerate(role_shapes))
+    if MOE in kinds and ((s.te and not s.grouped_gemm) or p.fp8_experts):  # per-expert modules
         ffn = s.moe_ffn_hidden // par.etp
-        shapes["experts.fc1"] = s.fc1_factor * ffn * s.hidden
-        shapes["experts.fc2"] = s.hidden * ffn
+        shapes.update({(s.fc1_factor * ffn, s.hidden), (s.hidden, ffn)})
     if s.te and MTP in kinds:
-        shapes["mtp.eh_proj"] = 2 * s.hidden * s.hidden / par.tp
+        shapes.add((s.hidden // par.tp, 2 * s.hidden))  # eh_proj
     if s.te and LOSS in kinds:  # Megatron's output layer takes Transformer Engine's cached dummy
-        shapes["output_layer"] = s.vocab / par.tp * s.hidden
+        shapes.add((s.vocab // par.tp, s.hidden))
     return shapes
 
 
@@ -79,7 +86,7 @@ def persistent_bytes(s: ModelShape, par: Parallel, p: Precision, chunks) -> floa
     if s.te and kinds & {DENSE, MOE}:
         workspaces = CUBLAS_WORKSPACE_BYTES * (1 + (GROUPED_GEMM_STREAMS if MOE in kinds and te_grouped_experts(s, p)
                                                     else 0))
-    dummies = sum(_dummy_elements(s, par, p, kinds).values()) * p.model_bytes if s.wgrad_fusion else 0
+    dummies = sum(rows * cols for rows, cols in dummy_shapes(s, par, p, kinds)) * p.model_bytes if s.wgrad_fusion else 0
     return float(workspaces + dummies)
 
 

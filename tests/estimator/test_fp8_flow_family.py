@@ -202,12 +202,12 @@ def test_weight_gradient_buffers_are_the_stated_quantities():
     on Transformer Engine's layers the cuBLAS workspaces (four more where its grouped experts run), one
     cached dummy weight gradient per distinct linear shape (the output layer's on the last rank), and
     the grouped experts' fc1 dummies in the MoE backward's working set; on our FP8 layers their own
-    cached dummies (the experts' two shapes among them) and no workspace."""
+    cached dummies and no workspace: one per shape, so the routed experts add none of their own
+    (DeepSeek-V3's shared expert has their two shapes)."""
     mla = [(1536, 7168), (576, 7168), (7168, 128 * 128), (128 * 192, 1536), (128 * 256, 512)]
     shared, dense = [(2 * 2048, 7168), (7168, 2048)], [(2 * 18432, 7168), (7168, 18432)]
     moe_stage, dense_stage = (sum(n * k for n, k in mla + mlp) * 2 for mlp in (shared, dense))
     both = sum(n * k for n, k in mla + shared + dense) * 2
-    experts = (2 * 2048 * 7168 + 7168 * 2048) * 2
     e = family("bf16_ep8_full")
     ranks = {r.rank: r for r in e.ranks}
     assert [[kind for kind, _ in chunk] for r in (0, 1, 2, 3) for chunk in e.parallel.chunks[r]] == [
@@ -230,25 +230,32 @@ def test_weight_gradient_buffers_are_the_stated_quantities():
         assert fused.ranks[r].transient - unfused.ranks[r].transient == pytest.approx(fc1_dummies[ep])
     fp4 = family("fp4_ep8_sel")  # local layers: our FP8 linears and experts
     ranks = {r.rank: r for r in fp4.ranks}
-    assert ranks[0].static.wgrad_buffers == 0 and ranks[3].static.wgrad_buffers == moe_stage + experts
+    assert ranks[0].static.wgrad_buffers == 0 and ranks[3].static.wgrad_buffers == moe_stage
     assert fp4.ranks[3].transient == estimate(FAMILY / "fp4_ep8_sel.yaml", overrides={
         "no_gradient_accumulation_fusion": True}).ranks[3].transient  # no grouped-expert dummies of ours
 
 
 def test_dummy_shapes_split_as_the_layers_do_and_include_mtp():
     """At TP 2 every linear's dummy halves except MLA's q / kv down-projections (not split over TP);
-    an MTP layer adds its eh_proj [H, 2H] (split) on Transformer Engine's layers."""
+    an MTP layer adds its eh_proj [H, 2H] (split) on Transformer Engine's layers; a shape shared by
+    two weights (the routed and the shared experts') is one dummy."""
     import dataclasses
 
     from megatron_fp4.estimator import wgrad_buffers as wb
     from megatron_fp4.estimator.shapes import MOE, MTP
 
+    def elements(shapes):
+        return sum(rows * cols for rows, cols in shapes)
+
     e = family("bf16_ep8_full")
     s, p = e.shape, e.precision
     tp1, tp2 = e.parallel, dataclasses.replace(e.parallel, tp=2)
-    one = wb._dummy_elements(s, tp1, p, {MOE})
-    two = wb._dummy_elements(s, tp2, p, {MOE})
+    one, two = wb.dummy_shapes(s, tp1, p, {MOE}), wb.dummy_shapes(s, tp2, p, {MOE})
+    assert len(one) == len(two) == 7  # MLA's five, the shared expert's two
+    assert (1536, 7168) in two and (576, 7168) in two and (7168, 128 * 128 // 2) in two and (2048, 7168) in two
     down = 1536 * 7168 + 576 * 7168  # q and kv down-projections
-    assert sum(two.values()) == (sum(one.values()) - down) / 2 + down
-    mtp = wb._dummy_elements(dataclasses.replace(s, mtp_layers=1), tp2, p, {MOE, MTP})
-    assert sum(mtp.values()) - sum(two.values()) == 2 * 7168 * 7168 / 2
+    assert elements(two) == (elements(one) - down) / 2 + down
+    mtp = wb.dummy_shapes(dataclasses.replace(s, mtp_layers=1), tp2, p, {MOE, MTP})
+    assert mtp - two == {(7168 // 2, 2 * 7168)}
+    per_expert = wb.dummy_shapes(dataclasses.replace(s, grouped_gemm=False), tp1, p, {MOE})
+    assert per_expert == one  # TE's per-expert linears: fc1 [4096, 7168] and fc2 [7168, 2048], as the shared
