@@ -128,6 +128,11 @@ def device_events(prof):
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def parts_per_step(events, steps: int) -> Dict[str, float]:
+    """The events' GPU time per step by part (ms)."""
+    return {part: us / 1000 / steps for part, us in by_part((e.name, e.time_range.elapsed_us()) for e in events).items()}
+
+
 def kernel_parts(fn, steps: int) -> Dict[str, float]:
     """fn's GPU time per call by part (ms), profiled over `steps` calls."""
     torch.cuda.synchronize()
@@ -135,8 +140,7 @@ def kernel_parts(fn, steps: int) -> Dict[str, float]:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    return {part: us / 1000 / steps
-            for part, us in by_part((e.name, e.time_range.elapsed_us()) for e in device_events(prof)).items()}
+    return parts_per_step(device_events(prof), steps)
 
 
 def record_breakdown(recorder: Recorder, layer_name: str, prof, steps: int, forward: Dict[str, float],
@@ -144,8 +148,7 @@ def record_breakdown(recorder: Recorder, layer_name: str, prof, steps: int, forw
     """Rows: each part's GPU time per step in forward and backward (backward = the step's less the
     forward's, profiled apart) and the GPU's idle time, each against the wall time per step."""
     events = device_events(prof)
-    step = {part: us / 1000 / steps
-            for part, us in by_part((e.name, e.time_range.elapsed_us()) for e in events).items()}
+    step = parts_per_step(events, steps)
     busy = union_length((e.time_range.start, e.time_range.end) for e in events) / 1000 / steps
     reference = "wall time per step over back-to-back steps (no profiler)"
     log(f"{layer_name}: GPU time by part per step (forward / backward), of {wall_ms:.2f} ms wall:")
