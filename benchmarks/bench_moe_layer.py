@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (finish, interleaved_medians_ms, layer_options, layer_step, max_over_ranks, moe_config,
                                peak_memory_gib, permuted_tokens_and_splits, random_tokens, slowest_median_ms,
-                               start_expert_parallel)
+                               start_expert_parallel, with_lean_permute)
 from benchmarks.layer_breakdown import union_length
 
 BENCH = "bench_moe_layer"
@@ -202,27 +202,10 @@ def experts_layers(args, config, stock, fp4) -> dict:
             layer.load_state_dict(stock.state_dict())
             layer.experts.gemms = gemms
             layers[name] = layer
-        layers[FP8_BASELINE_LEAN_PERMUTE] = _with_lean_permute(build_moe_layer(config, FP4Options(experts="fp8")).cuda(),
+        layers[FP8_BASELINE_LEAN_PERMUTE] = with_lean_permute(build_moe_layer(config, FP4Options(experts="fp8")).cuda(),
                                                                config)
         layers[FP8_BASELINE_LEAN_PERMUTE].load_state_dict(stock.state_dict())
     return layers
-
-
-def _with_lean_permute(layer, config):
-    """The layer with Megatron's all-to-all dispatcher replaced by one with megatron_fp4's permute."""
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    from megatron_fp4.dispatch.permute import LeanPermute
-
-    class LeanPermuteDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
-        pass
-
-    if layer.shared_experts is not None:
-        raise ValueError("the benchmark's layers have no shared expert; this dispatcher would need set_shared_experts")
-    layer.token_dispatcher = LeanPermuteDispatcher(layer.num_local_experts, layer.local_expert_indices, config=config,
-                                                   pg_collection=get_default_pg_collection())
-    return layer
 
 
 def check_against_stock(layers: dict, x, grad, log) -> dict:

@@ -189,3 +189,20 @@ def random_tokens(args, rank: int):
     x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=g).bfloat16()
     grad = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
     return x, grad
+
+
+def with_lean_permute(layer, config):
+    """The layer with Megatron's all-to-all dispatcher replaced by one with megatron_fp4's permute."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_fp4.dispatch.permute import LeanPermute
+
+    class LeanPermuteDispatcher(LeanPermute, MoEAlltoAllTokenDispatcher):
+        pass
+
+    if layer.shared_experts is not None:
+        raise ValueError("the benchmark's layers have no shared expert; this dispatcher would need set_shared_experts")
+    layer.token_dispatcher = LeanPermuteDispatcher(layer.num_local_experts, layer.local_expert_indices, config=config,
+                                                   pg_collection=get_default_pg_collection())
+    return layer
