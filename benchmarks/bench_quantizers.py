@@ -31,7 +31,9 @@ from benchmarks.rows import Recorder
 COPY = "device-to-device copy (read + write)"
 EXPERTS = 32
 BUFFERS = 3  # 3 x 235 MB at 16384 x 7168: each call reads an input that is not in the 50 MB L2
-KERNELS = ("rows", "cols", "weight", "weight_t")
+KERNELS = ("rows", "cols", "both", "weight", "weight_t")
+# The fused rows + columns quantizer against the two it replaces, each at its default, in the same run.
+SEPARATE = "quantize_fp8_rows then quantize_fp8_cols_ragged (defaults)"
 
 
 @dataclass
@@ -58,7 +60,7 @@ def build_cases(tokens: int, hidden: int, kernels, experts: int = EXPERTS) -> Li
     import megatron_fp4 as mf
     from megatron_fp4 import reference as ref
     from megatron_fp4.formats import FP8_BLOCK
-    from megatron_fp4.kernels import fp8_quantize, fp8_quantize_cols, fp8_quantize_weight
+    from megatron_fp4.kernels import fp8_quantize, fp8_quantize_both, fp8_quantize_cols, fp8_quantize_weight
 
     from benchmarks.common import ragged_counts
 
@@ -82,6 +84,12 @@ def build_cases(tokens: int, hidden: int, kernels, experts: int = EXPERTS) -> Li
                      lambda x, cfg: mf.quantize_fp8_cols(x, counts_dev, check_counts=False, config=cfg),
                      lambda x, out: same_cols(out, ref.quantize_fp8_cols(x, counts.tolist())),
                      elements * 2 + hidden * capacity + (capacity // FP8_BLOCK) * hidden * 4),
+        "both": Case("quantize_fp8_rows_and_cols_ragged", fp8_quantize_both.CONFIGS,
+                     lambda x, cfg: mf.quantize_fp8_rows_and_cols(x, counts_dev, check_counts=False, config=cfg),
+                     lambda x, out: (same_fp8(out[0], ref.quantize_fp8_rows(x))
+                                     and same_cols(out[1], ref.quantize_fp8_cols(x, counts.tolist()))),
+                     elements * 3 + tokens * (hidden // FP8_BLOCK) * 4 + hidden * capacity
+                     + (capacity // FP8_BLOCK) * hidden * 4),
     }
     for name, transpose in (("weight", False), ("weight_t", True)):
         cases[name] = Case(
@@ -135,6 +143,20 @@ def copy_gbps(tokens: int, hidden: int, inputs: list, args) -> float:
     return 2 * tokens * hidden * 2 / (ms * 1e-3) / 1e9
 
 
+def record_fused_against_separate(recorder: Recorder, default_ms: dict, tokens: int, hidden: int) -> None:
+    """Where rows, cols and both ran: the fused quantizer's time at its default against the two
+    separate launches' (each at its default), one row (ratio < 1: the fused one is faster)."""
+    separate = ("quantize_fp8_rows", "quantize_fp8_cols_ragged")
+    fused = "quantize_fp8_rows_and_cols_ragged"
+    if fused not in default_ms or not all(name in default_ms for name in separate):
+        return
+    separate_ms = sum(default_ms[name] for name in separate)
+    recorder.add(fused, "time", default_ms[fused], "ms", SEPARATE, separate_ms, tokens=tokens, hidden=hidden,
+                 better="lower")
+    print(f"  {fused} {default_ms[fused]:.3f} ms against {separate_ms:.3f} ms for the two separate launches "
+          f"({default_ms[fused] / separate_ms:.3f}x)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="16384x7168", help="comma-separated TxH list (default 16384x7168)")
@@ -164,6 +186,7 @@ def main(argv=None) -> int:
         inputs = random_inputs(tokens, hidden, gen)
         copy = copy_gbps(tokens, hidden, inputs, args)
         print(f"\n{tokens} x {hidden}: device-to-device copy {copy:.0f} GB/s (read + write)")
+        default_ms = {}  # case name -> ms at its default config
         for case in build_cases(tokens, hidden, kernels, args.experts):
             best = None
             for index, cfg in enumerate(case.configs):
@@ -181,12 +204,15 @@ def main(argv=None) -> int:
                         f"{'  default' if index == 0 else ''}{'' if exact in (None, True) else '  MISMATCH'}")
                 print(line + f"   ({time.time() - started:.0f} s)", flush=True)
                 table.append(line)
+                if index == 0:
+                    default_ms[case.name] = ms
                 if exact is False:
                     mismatches.append(line)
                 if exact is not False and (best is None or gbps > best[0]):
                     best = (gbps, cfg)
             if best:
                 print(f"  best {case.name}: {best[1]} at {100 * best[0] / copy:.1f}% of the copy")
+        record_fused_against_separate(recorder, default_ms, tokens, hidden)
         del inputs
         torch.cuda.empty_cache()
     print("\n" + recorder.description())

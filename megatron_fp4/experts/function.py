@@ -16,7 +16,8 @@ inexact is stored in FP4 there. Under --moe-fp4-recompute-experts only the fc1 i
 payload, else the BF16 tokens) and backward runs fc1 and the SwiGLU again for those two.
 
 Backward: dgrad in FP8 (gradient 1x128 rows, weights transposed 128x128); wgrad in FP8 with both
-operands 1x128 along tokens (the column kernels' layout). With Megatron's fused gradient
+operands 1x128 along tokens (the column kernels' layout). Each output gradient is quantized both ways
+in one read (kernels/fp8_quantize_both.py), as are the FP8 baseline's tokens in forward. With Megatron's fused gradient
 accumulation the wgrad adds its fp32 sums straight into main_grad, as its own linear layers do.
 """
 
@@ -114,17 +115,22 @@ class FP8ExpertsFunction(torch.autograd.Function):
         ctx.fp4_activations = ctx.from_payload and call.fp4_activations and not call.recompute
         # With the copies backward will read (see _saved_activations); none where it recomputes them.
         keeps = call.backward_follows and not call.recompute
-        fc1_out, fc2_in = _fc1_and_swiglu(call, payload_rows if ctx.from_payload else tokens, ctx.from_payload,
-                                          probs, fc1_weights, hidden, dtype,
+        if ctx.from_payload or not (keeps and segments.num_tokens):
+            input_rows, input_cols = _fc1_input_rows(call, payload_rows if ctx.from_payload else tokens,
+                                                     ctx.from_payload, hidden), None
+        else:  # the FP8 baseline keeps the tokens' columns for fc1's wgrad: both from one read
+            input_rows, input_cols = _rows_and_columns(call, tokens)
+        fc1_out, fc2_in = _fc1_and_swiglu(call, input_rows, probs, fc1_weights, dtype,
                                           keep_values=keeps and not ctx.fp4_activations,
                                           mxfp4_rule=call.scale_rule if keeps and ctx.fp4_activations else None)
+        del input_rows
         if call.recompute:
             fc1_out = None  # backward computes it again: not kept through the fc2 GEMM
         output = _linear_forward(call, fc2_in.fp8_rows, _fp8_weights(call, "fc2", fc2_weights, False), dtype)
 
         if not call.backward_follows:
             return output
-        saved = _saved_activations(ctx, call, tokens, payload_rows, fc1_out, fc2_in)
+        saved = _saved_activations(ctx, call, tokens, payload_rows, input_cols, fc1_out, fc2_in)
         ctx.save_for_backward(*saved, probs, *weights)
         ctx.num_activations = len(saved)
         # Bytes of the MXFP4 activations kept for backward (uint8 rows), for the telemetry.
@@ -163,8 +169,8 @@ class FP8ExpertsFunction(torch.autograd.Function):
         saved_input, saved_acts = (activations[:1], activations[1:]) if ctx.from_payload or call.recompute else (
             activations[:3], activations[3:])
         if call.recompute:
-            fc1_out, fc2_in = _fc1_and_swiglu(call, saved_input[0], ctx.from_payload, probs, fc1_weights, hidden,
-                                              dtype, keep_values=True, mxfp4_rule=None)
+            fc1_out, fc2_in = _fc1_and_swiglu(call, _fc1_input_rows(call, saved_input[0], ctx.from_payload, hidden),
+                                              probs, fc1_weights, dtype, keep_values=True, mxfp4_rule=None)
             fc2_in_cols = K.quantize_fp8_cols(fc2_in.values, counts, check_counts=False)
             del fc2_in
         elif ctx.fp4_activations:
@@ -174,9 +180,12 @@ class FP8ExpertsFunction(torch.autograd.Function):
             fc2_in_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_acts[1], ffn), counts, check_counts=False)
         else:
             fc1_out, fc2_in_cols = saved_acts[0], FP8BlockTensor.from_colwise_parts(saved_acts[1:])
-        grad_fc2_in, grad_fc2 = _linear_backward(call, "fc2", grad_output, fc2_in_cols, fc2_weights, wgrads)
-        del fc2_in_cols
-        grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
+        grad_rows, grad_cols = _rows_and_columns(call, grad_output)
+        grad_fc2_in = _data_gradient(call, "fc2", grad_rows, fc2_weights, dtype)
+        del grad_rows
+        grad_fc2 = wgrads(fc2_weights, grad_cols, fc2_in_cols)
+        del grad_cols, fc2_in_cols
+        grad_probs, (grad_rows, grad_cols) = _swiglu_gradient_operands(call, fc1_out, probs, grad_fc2_in)
         del fc1_out, grad_fc2_in
 
         # fc1: dgrad and wgrad (from the payload, its columns are built only now, after fc2's are freed).
@@ -186,30 +195,35 @@ class FP8ExpertsFunction(torch.autograd.Function):
             input_cols = K.quantize_fp8_cols(saved_input[0], counts, check_counts=False)
         else:
             input_cols = FP8BlockTensor.from_colwise_parts(saved_input)
-        grad_input, grad_fc1 = _linear_backward(call, "fc1", grad_fc1_out, input_cols, fc1_weights, wgrads)
-        del grad_fc1_out, input_cols
+        grad_input = _data_gradient(call, "fc1", grad_rows, fc1_weights, dtype)
+        del grad_rows
+        grad_fc1 = wgrads(fc1_weights, grad_cols, input_cols)
+        del grad_cols, input_cols
         _release_saved_fp4(ctx)
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
 
 
-def _fc1_and_swiglu(call: ExpertsCall, fc1_input, from_payload: bool, probs, fc1_weights, hidden: int, dtype,
-                    keep_values: bool, mxfp4_rule) -> tuple:
-    """fc1's output and the SwiGLU's (times the probs; row-wise, all experts at once), from the fc1
-    input: MXFP4 payload rows (the exact FP4 -> FP8 conversion) or BF16 tokens (quantized to FP8
-    rows). Forward runs it, and backward again under call.recompute: the same bits."""
+def _fc1_input_rows(call: ExpertsCall, fc1_input, from_payload: bool, hidden: int) -> FP8BlockTensor:
+    """fc1's input as FP8 1x128 rows: from MXFP4 payload rows (the exact FP4 -> FP8 conversion) or
+    from BF16 tokens (quantized)."""
     if from_payload:
-        input_rows = K.mxfp4_to_fp8_rows(MXFP4Tensor(fc1_input, hidden, call.scale_rule))
-    else:
-        input_rows = K.quantize_fp8_rows(fc1_input)
+        return K.mxfp4_to_fp8_rows(MXFP4Tensor(fc1_input, hidden, call.scale_rule))
+    return K.quantize_fp8_rows(fc1_input)
+
+
+def _fc1_and_swiglu(call: ExpertsCall, input_rows: FP8BlockTensor, probs, fc1_weights, dtype, keep_values: bool,
+                    mxfp4_rule) -> tuple:
+    """fc1's output and the SwiGLU's (times the probs; row-wise, all experts at once), from fc1's
+    input in FP8 rows. Forward runs it, and backward again under call.recompute: the same bits."""
     fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
-    del input_rows
     return fc1_out, swiglu_quantized(fc1_out, probs, call.glu_offset, dtype, keep_values=keep_values,
                                      mxfp4_rule=mxfp4_rule)
 
 
-def _saved_activations(ctx, call: ExpertsCall, tokens, payload_rows, fc1_out, fc2_in: SwiGLUOutputs) -> tuple:
+def _saved_activations(ctx, call: ExpertsCall, tokens, payload_rows, input_cols: Optional[FP8BlockTensor], fc1_out,
+                       fc2_in: SwiGLUOutputs) -> tuple:
     """What backward reads, as save_for_backward takes it: the fc1 input (the payload, exact; else
-    FP8 columns), then the SwiGLU and fc2 inputs (MXFP4 rows, written by the SwiGLU; else BF16 and
+    its FP8 columns, input_cols), then the SwiGLU and fc2 inputs (MXFP4 rows, written by the SwiGLU; else BF16 and
     FP8 columns, as Transformer Engine's FP8 layers keep them). Under call.recompute only the fc1 input
     (the payload, else the BF16 tokens). Nothing for a rank without tokens."""
     if not call.segments.num_tokens:
@@ -221,7 +235,7 @@ def _saved_activations(ctx, call: ExpertsCall, tokens, payload_rows, fc1_out, fc
     def columns(x):
         return K.quantize_fp8_cols(x, counts, check_counts=False).colwise_parts()
 
-    fc1_input = (payload_rows,) if ctx.from_payload else columns(tokens)
+    fc1_input = (payload_rows,) if ctx.from_payload else input_cols.colwise_parts()
     if ctx.fp4_activations:
         return (*fc1_input, fc2_in.fc1_out_mxfp4.rows, fc2_in.fc2_in_mxfp4.rows)
     return (*fc1_input, fc1_out, *columns(fc2_in.values))
@@ -256,12 +270,22 @@ def grouped_backend(gemms: ExpertGemms, data_gradient: bool = False) -> Optional
     return DATA_GRADIENT_BACKEND if data_gradient else None
 
 
-def _linear_backward(call: ExpertsCall, name: str, grad: torch.Tensor, input_cols, weights, wgrads):
-    """Backward of Y = X W_e^T for every expert segment, in FP8: dX (gradient 1x128 rows times W_e^T
-    in 128x128 blocks) and dW_e (gradient and input both 1x128 along the segment's tokens; zero for
-    an expert without tokens)."""
+def _rows_and_columns(call: ExpertsCall, x: torch.Tensor) -> tuple:
+    """x [tokens, features] in FP8 both ways a GEMM pair reads it, from one pass over it: 1x128 rows
+    (an output gradient's data-gradient GEMM, the baseline's fc1) and 1x128 blocks along each
+    segment's tokens (a weight gradient)."""
+    return K.quantize_fp8_rows_and_cols(x, call.segments.counts_device, check_counts=False)
+
+
+def _swiglu_gradient_operands(call: ExpertsCall, fc1_out, probs, grad_fc2_in) -> tuple:
+    """(the probs' gradient, fc1's output gradient as _rows_and_columns): the BF16 gradient is
+    dropped once quantized, before fc1's data-gradient GEMM allocates its output."""
+    grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
+    return grad_probs, _rows_and_columns(call, grad_fc1_out)
+
+
+def _data_gradient(call: ExpertsCall, name: str, grad_rows: FP8BlockTensor, weights, dtype) -> torch.Tensor:
+    """dX of Y = X W_e^T for every expert segment, in FP8: the gradient's 1x128 rows times W_e^T in
+    128x128 blocks (quantized for this GEMM, freed after it: not kept for the wgrad)."""
     transposed = _fp8_weights(call, name, weights, True)
-    grad_input = _linear_forward(call, K.quantize_fp8_rows(grad), transposed, grad.dtype, data_gradient=True)
-    del transposed  # W^T is quantized for this GEMM: not kept for the wgrad
-    grad_cols = K.quantize_fp8_cols(grad, call.segments.counts_device, check_counts=False)
-    return grad_input, wgrads(weights, grad_cols, input_cols)
+    return _linear_forward(call, grad_rows, transposed, dtype, data_gradient=True)

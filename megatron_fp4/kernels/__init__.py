@@ -6,6 +6,7 @@ built on it (fp8, experts, linears, dispatch)."""
 from ._checks import TileConfig
 from .fp8_dequantize import dequantize_fp8
 from .fp8_quantize import quantize_fp8_rows
+from .fp8_quantize_both import quantize_fp8_rows_and_cols
 from .fp8_quantize_cols import quantize_fp8_cols
 from .fp8_quantize_weight import quantize_fp8_weight, quantize_fp8_weights, quantize_fp8_weights_stacked
 from .fp8_transpose_weight import transpose_fp8_weights
@@ -27,6 +28,7 @@ __all__ = [
     "mxfp4_to_fp8_rows",
     "quantize_fp8_cols",
     "quantize_fp8_rows",
+    "quantize_fp8_rows_and_cols",
     "quantize_fp8_weight",
     "quantize_fp8_weights",
     "quantize_fp8_weights_stacked",
