@@ -38,7 +38,7 @@ def candidate_specs(hidden: int = 7168, input_kind: int = 0) -> List[KernelSpec]
     config."""
     variant = BuildVariant(hidden, True, input_kind)
     specs = []
-    for module in (fp8_quantize, fp8_quantize_cols):
+    for module in (fp8_quantize, fp8_quantize_cols, fp8_quantize_both):
         for config in module.CONFIGS:
             specs += module.sm90_specs(variant, config)
     for transpose in (False, True):
