@@ -10,7 +10,7 @@ import torch
 
 import megatron_fp4 as mf
 from megatron_fp4 import reference as ref
-from megatron_fp4.kernels import fp8_quantize, fp8_quantize_cols, fp8_quantize_weight
+from megatron_fp4.kernels import fp8_quantize, fp8_quantize_both, fp8_quantize_cols, fp8_quantize_weight
 
 from support.inputs import assert_same_bits, assert_same_fp8, assert_same_mxfp4, hard_input
 
@@ -75,6 +75,14 @@ def test_fp8_cols_large_ragged_every_config(activations, config):
     counts = ragged_counts(TOKENS, 32, seed=6)
     got = mf.quantize_fp8_cols(activations, counts.cuda(), config=config)
     assert_same_fp8(got, ref.quantize_fp8_cols(activations, counts.tolist()))
+
+
+@pytest.mark.parametrize("config", fp8_quantize_both.CONFIGS, ids=str)
+def test_fp8_rows_and_cols_large_ragged_every_config(activations, config):
+    counts = ragged_counts(TOKENS, 32, seed=7)
+    rows, cols = mf.quantize_fp8_rows_and_cols(activations, counts.cuda(), config=config)
+    assert_same_fp8(rows, ref.quantize_fp8_rows(activations))
+    assert_same_fp8(cols, ref.quantize_fp8_cols(activations, counts.tolist()))
 
 
 @pytest.mark.parametrize("transpose", [False, True])
