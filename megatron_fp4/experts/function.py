@@ -120,10 +120,10 @@ class FP8ExpertsFunction(torch.autograd.Function):
                                                      ctx.from_payload, hidden), None
         else:  # the FP8 baseline keeps the tokens' columns for fc1's wgrad: both from one read
             input_rows, input_cols = _rows_and_columns(call, tokens)
-        fc1_out, fc2_in = _fc1_and_swiglu(call, input_rows, probs, fc1_weights, dtype,
-                                          keep_values=keeps and not ctx.fp4_activations,
-                                          mxfp4_rule=call.scale_rule if keeps and ctx.fp4_activations else None)
+        fc1_out = _fc1(call, input_rows, fc1_weights, dtype)
         del input_rows
+        fc2_in = swiglu_quantized(fc1_out, probs, call.glu_offset, dtype, keep_values=keeps and not ctx.fp4_activations,
+                                  mxfp4_rule=call.scale_rule if keeps and ctx.fp4_activations else None)
         if call.recompute:
             fc1_out = None  # backward computes it again: not kept through the fc2 GEMM
         output = _linear_forward(call, fc2_in.fp8_rows, _fp8_weights(call, "fc2", fc2_weights, False), dtype)
@@ -169,8 +169,9 @@ class FP8ExpertsFunction(torch.autograd.Function):
         saved_input, saved_acts = (activations[:1], activations[1:]) if ctx.from_payload or call.recompute else (
             activations[:3], activations[3:])
         if call.recompute:
-            fc1_out, fc2_in = _fc1_and_swiglu(call, _fc1_input_rows(call, saved_input[0], ctx.from_payload, hidden),
-                                              probs, fc1_weights, dtype, keep_values=True, mxfp4_rule=None)
+            # The same bits as forward's.
+            fc1_out = _fc1(call, _fc1_input_rows(call, saved_input[0], ctx.from_payload, hidden), fc1_weights, dtype)
+            fc2_in = swiglu_quantized(fc1_out, probs, call.glu_offset, dtype, keep_values=True, mxfp4_rule=None)
             fc2_in_cols = K.quantize_fp8_cols(fc2_in.values, counts, check_counts=False)
             del fc2_in
         elif ctx.fp4_activations:
@@ -211,13 +212,10 @@ def _fc1_input_rows(call: ExpertsCall, fc1_input, from_payload: bool, hidden: in
     return K.quantize_fp8_rows(fc1_input)
 
 
-def _fc1_and_swiglu(call: ExpertsCall, input_rows: FP8BlockTensor, probs, fc1_weights, dtype, keep_values: bool,
-                    mxfp4_rule) -> tuple:
-    """fc1's output and the SwiGLU's (times the probs; row-wise, all experts at once), from fc1's
-    input in FP8 rows. Forward runs it, and backward again under call.recompute: the same bits."""
-    fc1_out = _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
-    return fc1_out, swiglu_quantized(fc1_out, probs, call.glu_offset, dtype, keep_values=keep_values,
-                                     mxfp4_rule=mxfp4_rule)
+def _fc1(call: ExpertsCall, input_rows: FP8BlockTensor, fc1_weights, dtype) -> torch.Tensor:
+    """fc1's output from its input in FP8 rows; the SwiGLU (times the probs; row-wise, all experts at
+    once) follows it in forward, and in backward again under call.recompute."""
+    return _linear_forward(call, input_rows, _fp8_weights(call, "fc1", fc1_weights, False), dtype)
 
 
 def _saved_activations(ctx, call: ExpertsCall, tokens, payload_rows, input_cols: Optional[FP8BlockTensor], fc1_out,
