@@ -14,8 +14,8 @@ PARTS: List[Tuple[str, str]] = [
     ("weights: W^T of the FP8 weights", r"_transpose_fp8_blocks"),
     ("weights: FP8 quantization", r"_quantize_fp8_weight"),
     ("SwiGLU forward and backward", r"_swiglu"),
-    ("activation quantizers and MXFP4 -> FP8", r"_quantize_mxfp4|_dequantize_mxfp4|_mxfp4_to_fp8|"
-                                               r"_quantize_fp8_rows|_quantize_fp8_cols|_quantize_fp8_both|_dequantize_fp8"),
+    ("activation quantizers and MXFP4 -> FP8", r"_quantize_mxfp4|_dequantize_mxfp4|_mxfp4_to_fp8|_quantize_fp8_rows|"
+                                               r"_quantize_fp8_cols|_quantize_fp8_both|_dequantize_fp8"),
     # Before the permutation's patterns: long template names of these can hold "index" or "gather".
     ("other GEMMs (router, per-expert scaled_mm, BF16 experts)", r"gemm|Gemm|nvjet|xmma|cutlass"),
     ("router: softmax and top-k", r"[Tt]op[Kk]|SortKV|[Ss]oft[Mm]ax"),

@@ -41,15 +41,15 @@ from benchmarks.rows import Recorder
 
 BREAKDOWN_BENCH = "moe_layer_breakdown"
 
-# name: (FP4 dispatch, experts, recompute_modules ["moe"], recompute cache). fp8-lean-permute: the FP8
-# baseline behind megatron_fp4's permute instead of Megatron's (bench_moe_layer's "FP8 baseline behind
-# megatron_fp4's permute"), what FP4 dispatch is compared against apart from the permute.
+# name: (FP4 dispatch, experts, recompute_modules ["moe"], recompute cache, megatron_fp4's permute behind
+# a BF16 dispatch). fp8-lean-permute is bench_moe_layer's "FP8 baseline behind megatron_fp4's permute",
+# what FP4 dispatch is compared against apart from the permute.
 LAYERS = {
-    "stock": (False, "bf16", False, False), "fp8-baseline": (False, "fp8", False, False),
-    "fp8-lean-permute": (False, "fp8", False, False),
-    "fp4-bf16": (True, "bf16", False, False), "fp4-fp8": (True, "fp8", False, False),
-    "fp4-bf16-recompute": (True, "bf16", True, False), "fp4-bf16-cache": (True, "bf16", True, True),
-    "fp4-fp8-recompute": (True, "fp8", True, False), "fp4-fp8-cache": (True, "fp8", True, True),
+    "stock": (False, "bf16", False, False, False), "fp8-baseline": (False, "fp8", False, False, False),
+    "fp8-lean-permute": (False, "fp8", False, False, True),
+    "fp4-bf16": (True, "bf16", False, False, False), "fp4-fp8": (True, "fp8", False, False, False),
+    "fp4-bf16-recompute": (True, "bf16", True, False, False), "fp4-bf16-cache": (True, "bf16", True, True, False),
+    "fp4-fp8-recompute": (True, "fp8", True, False, False), "fp4-fp8-cache": (True, "fp8", True, True, False),
 }
 
 
@@ -89,11 +89,11 @@ def profile_layer(args, layer_name: str, rank: int, world: int, log, host: bool,
     from megatron_fp4.integration.standalone import build_moe_layer
     from megatron_fp4.options import FP4Options
 
-    fp4, experts, recompute, cache = LAYERS[layer_name]
+    fp4, experts, recompute, cache, lean_permute = LAYERS[layer_name]
     config = moe_config(args, world, **({"recompute_granularity": "selective", "recompute_modules": ["moe"]}
                                         if recompute else {}))
     layer = build_moe_layer(config, FP4Options(dispatch=fp4, cache=cache, experts=experts)).cuda()
-    if layer_name == "fp8-lean-permute":
+    if lean_permute:
         layer = with_lean_permute(layer, config)
     x, grad = random_tokens(args, rank)
     step = layer_step(layer, x, grad)

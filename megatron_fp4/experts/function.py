@@ -16,9 +16,10 @@ inexact is stored in FP4 there. Under --moe-fp4-recompute-experts only the fc1 i
 payload, else the BF16 tokens) and backward runs fc1 and the SwiGLU again for those two.
 
 Backward: dgrad in FP8 (gradient 1x128 rows, weights transposed 128x128); wgrad in FP8 with both
-operands 1x128 along tokens (the column kernels' layout). Each output gradient is quantized both ways
-in one read (kernels/fp8_quantize_both.py), as are the FP8 baseline's tokens in forward. With Megatron's fused gradient
-accumulation the wgrad adds its fp32 sums straight into main_grad, as its own linear layers do.
+operands 1x128 along tokens (the column kernels' layout), each layer's wgrad first. Each output
+gradient is quantized both ways from one read (kernels/fp8_quantize_both.py), as are the FP8
+baseline's tokens in forward. With Megatron's fused gradient accumulation the wgrad adds its fp32
+sums straight into main_grad, as its own linear layers do.
 """
 
 from dataclasses import dataclass
@@ -115,11 +116,12 @@ class FP8ExpertsFunction(torch.autograd.Function):
         ctx.fp4_activations = ctx.from_payload and call.fp4_activations and not call.recompute
         # With the copies backward will read (see _saved_activations); none where it recomputes them.
         keeps = call.backward_follows and not call.recompute
-        if ctx.from_payload or not (keeps and segments.num_tokens):
+        if not ctx.from_payload and keeps and segments.num_tokens:
+            # The FP8 baseline keeps the tokens' columns for fc1's wgrad: rows and columns from one read.
+            input_rows, input_cols = _rows_and_columns(call, tokens)
+        else:
             input_rows, input_cols = _fc1_input_rows(call, payload_rows if ctx.from_payload else tokens,
                                                      ctx.from_payload, hidden), None
-        else:  # the FP8 baseline keeps the tokens' columns for fc1's wgrad: both from one read
-            input_rows, input_cols = _rows_and_columns(call, tokens)
         fc1_out = _fc1(call, input_rows, fc1_weights, dtype)
         del input_rows
         fc2_in = swiglu_quantized(fc1_out, probs, call.glu_offset, dtype, keep_values=keeps and not ctx.fp4_activations,
@@ -181,25 +183,28 @@ class FP8ExpertsFunction(torch.autograd.Function):
             fc2_in_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_acts[1], ffn), counts, check_counts=False)
         else:
             fc1_out, fc2_in_cols = saved_acts[0], FP8BlockTensor.from_colwise_parts(saved_acts[1:])
+        # Each layer's wgrad before its dgrad: the columns are freed before the dgrad's output exists.
         grad_rows, grad_cols = _rows_and_columns(call, grad_output)
-        grad_fc2_in = _data_gradient(call, "fc2", grad_rows, fc2_weights, dtype)
-        del grad_rows
         grad_fc2 = wgrads(fc2_weights, grad_cols, fc2_in_cols)
         del grad_cols, fc2_in_cols
-        grad_probs, (grad_rows, grad_cols) = _swiglu_gradient_operands(call, fc1_out, probs, grad_fc2_in)
+        grad_fc2_in = _data_gradient(call, "fc2", grad_rows, fc2_weights, dtype)
+        del grad_rows
+        grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
         del fc1_out, grad_fc2_in
+        grad_rows, grad_cols = _rows_and_columns(call, grad_fc1_out)
+        del grad_fc1_out  # only its FP8 encodings are read from here on
 
-        # fc1: dgrad and wgrad (from the payload, its columns are built only now, after fc2's are freed).
+        # fc1: wgrad and dgrad (from the payload, its columns are built only now, after fc2's are freed).
         if ctx.from_payload:
             input_cols = K.mxfp4_to_fp8_cols(mxfp4(saved_input[0], hidden), counts, check_counts=False)
         elif call.recompute:  # the BF16 tokens
             input_cols = K.quantize_fp8_cols(saved_input[0], counts, check_counts=False)
         else:
             input_cols = FP8BlockTensor.from_colwise_parts(saved_input)
-        grad_input = _data_gradient(call, "fc1", grad_rows, fc1_weights, dtype)
-        del grad_rows
         grad_fc1 = wgrads(fc1_weights, grad_cols, input_cols)
         del grad_cols, input_cols
+        grad_input = _data_gradient(call, "fc1", grad_rows, fc1_weights, dtype)
+        del grad_rows
         _release_saved_fp4(ctx)
         return (None, grad_input, grad_probs, None, *grad_fc1, *grad_fc2)
 
@@ -269,21 +274,14 @@ def grouped_backend(gemms: ExpertGemms, data_gradient: bool = False) -> Optional
 
 
 def _rows_and_columns(call: ExpertsCall, x: torch.Tensor) -> tuple:
-    """x [tokens, features] in FP8 both ways a GEMM pair reads it, from one pass over it: 1x128 rows
-    (an output gradient's data-gradient GEMM, the baseline's fc1) and 1x128 blocks along each
+    """x [tokens, features] in FP8 both ways a GEMM pair reads it, from one read of x in memory: 1x128
+    rows (an output gradient's data-gradient GEMM, the baseline's fc1) and 1x128 blocks along each
     segment's tokens (a weight gradient)."""
     return K.quantize_fp8_rows_and_cols(x, call.segments.counts_device, check_counts=False)
 
 
-def _swiglu_gradient_operands(call: ExpertsCall, fc1_out, probs, grad_fc2_in) -> tuple:
-    """(the probs' gradient, fc1's output gradient as _rows_and_columns): the BF16 gradient is
-    dropped once quantized, before fc1's data-gradient GEMM allocates its output."""
-    grad_fc1_out, grad_probs = swiglu_with_probs_backward(fc1_out, probs, grad_fc2_in, call.glu_offset)
-    return grad_probs, _rows_and_columns(call, grad_fc1_out)
-
-
 def _data_gradient(call: ExpertsCall, name: str, grad_rows: FP8BlockTensor, weights, dtype) -> torch.Tensor:
     """dX of Y = X W_e^T for every expert segment, in FP8: the gradient's 1x128 rows times W_e^T in
-    128x128 blocks (quantized for this GEMM, freed after it: not kept for the wgrad)."""
+    128x128 blocks (W^T is made from the cached W for this GEMM and freed after it)."""
     transposed = _fp8_weights(call, name, weights, True)
     return _linear_forward(call, grad_rows, transposed, dtype, data_gradient=True)

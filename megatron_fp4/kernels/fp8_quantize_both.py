@@ -29,7 +29,9 @@ QUADS = FP8_BLOCK // 4  # a program's columns, in quads: one row group
 # storing the rows and keeping each column's running amax, the second reading the block again (from
 # L2) for the columns: fewer registers a thread, more programs an SM. The sweep's candidates
 # (benchmarks/bench_quantizers.py); compiled for sm_90 (benchmarks/kernel_sass_stats.py --candidates),
-# the one-pass tile takes 82 registers a thread on 16 warps and 172 on 8: one program an SM.
+# the one-pass tile takes 82 registers a thread on 16 warps and 170 on 8 (one program an SM), the
+# others 78-79. The default is provisional until the sweep has run on a GPU: 32 tokens a pass, as
+# the column quantizer's fastest (its one-pass tile reached 46% of the copy against 67%).
 CONFIGS = (
     TileConfig(block_rows=32, block_cols=QUADS, num_warps=4),
     TileConfig(block_rows=64, block_cols=QUADS, num_warps=8),
@@ -182,9 +184,10 @@ def quantize_fp8_rows_and_cols(x: torch.Tensor, tokens_per_expert: torch.Tensor,
                                ) -> Tuple[FP8BlockTensor, FP8BlockTensor]:
     """x [T, H] (bf16, fp16 or fp32; H a multiple of 128), rows = the experts' tokens back to back
     -> (quantize_fp8_rows(x), quantize_fp8_cols(x, tokens_per_expert, capacity)), the same bits,
-    from one read of x (two passes over each block, the second from L2, unless one pass takes the whole
-    block). Arguments as quantize_fp8_cols'; config: tokens per pass (a power of two from 16 to 128) by
-    32 quads, any warps (see _checks.launch_config)."""
+    from one read of x in memory (two passes over each block, the second from L2, unless one pass
+    takes the whole block). Arguments as quantize_fp8_cols' (with check_counts False, counts that do
+    not sum to T leave the rows past their sum unwritten); config: tokens per pass (a power of two
+    from 16 to 128) by 32 quads, any warps (see _checks.launch_config)."""
     check_float_matrix("quantize_fp8_rows_and_cols", x, FP8_BLOCK)
     config = launch_config(config, x.device, DEFAULT_CONFIG, INTERPRETER_CONFIG)
     if config.block_cols != QUADS:

@@ -14,8 +14,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import (fp8_dequantize, fp8_quantize, fp8_quantize_both, fp8_quantize_cols, fp8_quantize_weight, fp8_transpose_weight,
-               grouped_gemm_triton, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8, row_sums, swiglu, swiglu_forward)
+from . import (fp8_dequantize, fp8_quantize, fp8_quantize_both, fp8_quantize_cols, fp8_quantize_weight,
+               fp8_transpose_weight, grouped_gemm_triton, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8, row_sums,
+               swiglu, swiglu_forward)
 from ._sm90_spec import BuildVariant, KernelSpec
 
 SM90 = GPUTarget("cuda", 90, 32)
