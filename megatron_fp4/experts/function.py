@@ -167,7 +167,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         def mxfp4(rows, width):
             return MXFP4Tensor(rows, width, call.scale_rule)
 
-        # fc2: dgrad and wgrad.
+        # fc2: wgrad and dgrad.
         saved_input, saved_acts = (activations[:1], activations[1:]) if ctx.from_payload or call.recompute else (
             activations[:3], activations[3:])
         if call.recompute:
