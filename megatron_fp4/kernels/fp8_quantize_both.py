@@ -70,10 +70,11 @@ def _store_row_words(rows_words_ptr, rows_scales_ptr, e0, e1, e2, e3, rows, ok, 
 
 
 @triton.jit
-def _rows_of_pass(x_pairs_ptr, rows_words_ptr, rows_scales_ptr, first_row, valid_rows, num_rows, t, quad, group,
-                  HIDDEN: tl.constexpr, KIND: tl.constexpr, COUNT: tl.constexpr):
-    """Tokens t .. t + 4 COUNT - 1 read as four slices (slice k: tokens t + 4j + k), their rows
-    quantized and stored. Returns the slices (column i of a quad: [.., i] of each) as 16 tensors."""
+def _pass_slices(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, HIDDEN: tl.constexpr, KIND: tl.constexpr,
+                 COUNT: tl.constexpr):
+    """Tokens t .. t + 4 COUNT - 1 as four slices (slice k: tokens t + 4j + k), each as _token_slice
+    gives it: 16 tensors (slice by slice, column i of a quad at [.., i]), then each slice's input rows
+    and which are real."""
     a0, a1, a2, a3, rows_a, ok_a = _token_slice(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, HIDDEN, KIND,
                                                 COUNT)
     b0, b1, b2, b3, rows_b, ok_b = _token_slice(x_pairs_ptr, first_row, valid_rows, num_rows, t + 1, quad, HIDDEN,
@@ -82,6 +83,17 @@ def _rows_of_pass(x_pairs_ptr, rows_words_ptr, rows_scales_ptr, first_row, valid
                                                 KIND, COUNT)
     d0, d1, d2, d3, rows_d, ok_d = _token_slice(x_pairs_ptr, first_row, valid_rows, num_rows, t + 3, quad, HIDDEN,
                                                 KIND, COUNT)
+    return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+            rows_a, rows_b, rows_c, rows_d, ok_a, ok_b, ok_c, ok_d)
+
+
+@triton.jit
+def _rows_of_pass(x_pairs_ptr, rows_words_ptr, rows_scales_ptr, first_row, valid_rows, num_rows, t, quad, group,
+                  HIDDEN: tl.constexpr, KIND: tl.constexpr, COUNT: tl.constexpr):
+    """_pass_slices' tokens with their rows quantized and stored; returns the 16 slice tensors."""
+    (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+     rows_a, rows_b, rows_c, rows_d, ok_a, ok_b, ok_c, ok_d) = _pass_slices(
+        x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, HIDDEN, KIND, COUNT)
     _store_row_words(rows_words_ptr, rows_scales_ptr, a0, a1, a2, a3, rows_a, ok_a, quad, group, num_rows, HIDDEN)
     _store_row_words(rows_words_ptr, rows_scales_ptr, b0, b1, b2, b3, rows_b, ok_b, quad, group, num_rows, HIDDEN)
     _store_row_words(rows_words_ptr, rows_scales_ptr, c0, c1, c2, c3, rows_c, ok_c, quad, group, num_rows, HIDDEN)
@@ -102,6 +114,16 @@ def _store_column_words(cols_words_ptr, t0, t1, t2, t3, inv_scale, is_nan, colum
     words = tl.where(is_nan[None, :], E4M3_NAN * 0x01010101, e4m3_word(t0, t1, t2, t3, inv_scale[None, :]))
     word = word_start + tl.arange(0, t0.shape[0])
     tl.store(cols_words_ptr + column[None, :].to(tl.int64) * out_row_stride + word[:, None], words)
+
+
+@triton.jit
+def _store_pass_columns(cols_words_ptr, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+                        inv0, inv1, inv2, inv3, nan0, nan1, nan2, nan3, column, word_start, out_row_stride):
+    """A pass's four columns of each quad (column + i: the slices' e_i) in FP8, words word_start + j."""
+    _store_column_words(cols_words_ptr, a0, b0, c0, d0, inv0, nan0, column, word_start, out_row_stride)
+    _store_column_words(cols_words_ptr, a1, b1, c1, d1, inv1, nan1, column + 1, word_start, out_row_stride)
+    _store_column_words(cols_words_ptr, a2, b2, c2, d2, inv2, nan2, column + 2, word_start, out_row_stride)
+    _store_column_words(cols_words_ptr, a3, b3, c3, d3, inv3, nan3, column + 3, word_start, out_row_stride)
 
 
 @triton.jit
@@ -153,25 +175,16 @@ def _quantize_fp8_both_kernel(
     scale3, inv3, nan3 = fp8_block_scale(amax3)
     if TOKENS_PER_PASS == TOKENS:
         # One pass: the block is still in registers.
-        _store_column_words(cols_words_ptr, a0, b0, c0, d0, inv0, nan0, column, word_start, out_row_stride)
-        _store_column_words(cols_words_ptr, a1, b1, c1, d1, inv1, nan1, column + 1, word_start, out_row_stride)
-        _store_column_words(cols_words_ptr, a2, b2, c2, d2, inv2, nan2, column + 2, word_start, out_row_stride)
-        _store_column_words(cols_words_ptr, a3, b3, c3, d3, inv3, nan3, column + 3, word_start, out_row_stride)
+        _store_pass_columns(cols_words_ptr, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+                            inv0, inv1, inv2, inv3, nan0, nan1, nan2, nan3, column, word_start, out_row_stride)
     else:
         for t in range(0, TOKENS, TOKENS_PER_PASS):
-            a0, a1, a2, a3, _, _ = _token_slice(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, HIDDEN, KIND,
-                                                COUNT)
-            b0, b1, b2, b3, _, _ = _token_slice(x_pairs_ptr, first_row, valid_rows, num_rows, t + 1, quad, HIDDEN,
-                                                KIND, COUNT)
-            c0, c1, c2, c3, _, _ = _token_slice(x_pairs_ptr, first_row, valid_rows, num_rows, t + 2, quad, HIDDEN,
-                                                KIND, COUNT)
-            d0, d1, d2, d3, _, _ = _token_slice(x_pairs_ptr, first_row, valid_rows, num_rows, t + 3, quad, HIDDEN,
-                                                KIND, COUNT)
-            words = word_start + t // 4
-            _store_column_words(cols_words_ptr, a0, b0, c0, d0, inv0, nan0, column, words, out_row_stride)
-            _store_column_words(cols_words_ptr, a1, b1, c1, d1, inv1, nan1, column + 1, words, out_row_stride)
-            _store_column_words(cols_words_ptr, a2, b2, c2, d2, inv2, nan2, column + 2, words, out_row_stride)
-            _store_column_words(cols_words_ptr, a3, b3, c3, d3, inv3, nan3, column + 3, words, out_row_stride)
+            (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+             _, _, _, _, _, _, _, _) = _pass_slices(x_pairs_ptr, first_row, valid_rows, num_rows, t, quad, HIDDEN,
+                                                    KIND, COUNT)
+            _store_pass_columns(cols_words_ptr, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+                                inv0, inv1, inv2, inv3, nan0, nan1, nan2, nan3, column, word_start + t // 4,
+                                out_row_stride)
     scales_at = cols_scales_ptr + block.to(tl.int64) * HIDDEN + column
     tl.store(scales_at, scale0)
     tl.store(scales_at + 1, scale1)
