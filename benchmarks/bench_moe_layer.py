@@ -61,7 +61,8 @@ def parse_args(argv):
     p.add_argument("--no-experts-table", action="store_true", help="skip the five-layer experts comparison")
     p.add_argument("--gemm-variants", action="store_true",
                    help="also time the FP8 layers with one scaled_mm per expert (ExpertGemms.PER_EXPERT), with "
-                   "their weights quantized per use (--moe-fp4-weights-per-use), on the Triton GEMM kernels "
+                   "their weights quantized per use (--moe-fp4-weights-per-use), with W^T kept for the step beside W "
+                   "(--moe-fp4-keep-transposed-weights), on the Triton GEMM kernels "
                    "(ExpertGemms.GROUPED_TRITON; on SM90 the default runs the forward and weight-gradient GEMMs on "
                    "the CUDA ones), and the FP8 baseline behind megatron_fp4's permute (the FP4 layers' atomic-free "
                    "sums, BF16 dispatch)")
@@ -162,10 +163,11 @@ FP8_BASELINE = "FP8 baseline (BF16 dispatch, our FP8 experts)"
 FP4_BF16 = "FP4 dispatch + BF16 experts"
 FP4_FP8 = "FP4 dispatch + FP8 experts"
 # The same two FP8 layers with one cuBLASLt scaled_mm per expert instead of the grouped kernels, and
-# FP4 + FP8 quantizing its weights at every use instead of once per step.
+# FP4 + FP8 quantizing its weights at every use instead of once per step, or keeping W^T for the step.
 FP8_BASELINE_PER_EXPERT = "FP8 baseline, per-expert scaled_mm"
 FP4_FP8_PER_EXPERT = "FP4 dispatch + FP8 experts, per-expert scaled_mm"
 FP4_FP8_WEIGHTS_PER_USE = "FP4 dispatch + FP8 experts, weights quantized per use"
+FP4_FP8_KEEP_TRANSPOSED = "FP4 dispatch + FP8 experts, W^T kept for the step"
 # The grouped GEMMs on the Triton kernels where the CUDA ones are the default (SM90).
 FP4_FP8_TRITON = "FP4 dispatch + FP8 experts, Triton GEMMs"
 # The FP8 baseline with the FP4 layers' permute (dispatch/permute.py): what FP4 dispatch adds or saves
@@ -192,10 +194,12 @@ def experts_layers(args, config, stock, fp4) -> dict:
         from megatron_fp4.experts import ExpertGemms
 
         per_use = FP4Options(dispatch=True, dispatch_grad=args.grad, experts="fp8", weights_per_use=True)
+        keep_transposed = FP4Options(dispatch=True, dispatch_grad=args.grad, experts="fp8", keep_transposed_weights=True)
         for name, options, gemms in ((FP8_BASELINE_PER_EXPERT, FP4Options(experts="fp8"), ExpertGemms.PER_EXPERT),
                                      (FP4_FP8_PER_EXPERT, FP4Options(dispatch=True, dispatch_grad=args.grad,
                                                                      experts="fp8"), ExpertGemms.PER_EXPERT),
                                      (FP4_FP8_WEIGHTS_PER_USE, per_use, ExpertGemms.GROUPED),
+                                     (FP4_FP8_KEEP_TRANSPOSED, keep_transposed, ExpertGemms.GROUPED),
                                      (FP4_FP8_TRITON, FP4Options(dispatch=True, dispatch_grad=args.grad,
                                                                  experts="fp8"), ExpertGemms.GROUPED_TRITON)):
             layer = build_moe_layer(config, options).cuda()

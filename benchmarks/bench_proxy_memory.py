@@ -20,8 +20,8 @@ max reserved: the run's peaks), tokens/s per GPU from the iteration lines after 
 iterations (global batch x sequence length / elapsed time per iteration), and PyTorch's
 out-of-memory message. Rows: bench proxy_memory (max allocated against the estimate; the
 allocator's peak, or what it wanted at the OOM, against the cap; FP4's peak against FP8's at the
-same scope) and bench proxy_throughput (tokens/s against BF16 at the same scope; each precision's
-best fitting run under the cap against FP8's), appended to $MEGATRON_FP4_BENCH_RESULTS (default
+same scope) and bench proxy_throughput (tokens/s against BF16 at the same scope, FP4's also against
+FP8's; each precision's best fitting run under the cap against FP8's), appended to $MEGATRON_FP4_BENCH_RESULTS (default
 benchmarks/results/). A table of the runs ends the output. Exit status 0 when every run started
 (see --budget-s) and ended as trained or OOM, 1 otherwise (a refusal, a crash, a time-out).
 """

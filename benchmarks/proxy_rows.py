@@ -101,16 +101,19 @@ def best_fitting(measured: List[Measured], precision: str) -> Optional[Measured]
 
 
 def throughput_rows(recorder: Recorder, measured: List[Measured], warmup: int) -> None:
-    """Per trained FP8 / FP4 run its tokens/s against BF16 at the same scope (capped or not, the
-    same setting preferred); per precision its best fitting run under the cap against FP8's."""
+    """Per trained FP8 / FP4 run its tokens/s against BF16 at the same scope, and per FP4 run against
+    FP8 at the same scope (capped or not, the same setting preferred); per precision its best fitting
+    run under the cap against FP8's."""
     metric = f"tokens/s per GPU (iterations after the first {warmup})"
     for m in measured:
         if m.run.precision == "bf16" or not m.tokens_per_s:
             continue
-        bf16 = _same_scope(measured, "bf16", m.run.scope, m.run.capped)
-        if bf16 and bf16.tokens_per_s:
-            recorder.add(m.case, metric, m.tokens_per_s, "tokens/s", f"BF16: {bf16.case}", bf16.tokens_per_s,
-                         better="higher", **_extras(m))
+        against = ("bf16", "fp8") if m.run.precision == "fp4" else ("bf16",)
+        for precision in against:
+            other = _same_scope(measured, precision, m.run.scope, m.run.capped)
+            if other and other.tokens_per_s:
+                recorder.add(m.case, metric, m.tokens_per_s, "tokens/s", f"{precision.upper()}: {other.case}",
+                             other.tokens_per_s, better="higher", **_extras(m))
     fp8 = best_fitting(measured, "fp8")
     if fp8 is None:
         return

@@ -347,9 +347,12 @@ def _restored(c: Ctx, kind: str) -> tuple[float, float]:
 
 def transposed_weight(c: Ctx, kind: str) -> tuple[float, float]:
     """The FP8 W^T our linears and experts quantize for a data-gradient GEMM and free after it, while
-    (attention, MLP) backward runs, in either cache mode. One linear's at a time, the largest of the
-    phase's FP8 roles (none: 0), and in an MoE layer's MLP all local experts' fc1 weights at once
-    (one stacked operand)."""
+    (attention, MLP) backward runs, with or without the per-step W cache. One linear's at a time, the
+    largest of the phase's FP8 roles (none: 0), and in an MoE layer's MLP all local experts' fc1
+    weights at once (one stacked operand). None under keep_transposed_weights: W^T is held for the
+    step (static.py)."""
+    if c.p.keep_transposed_weights:
+        return 0.0, 0.0
     def largest_linear(roles: set) -> float:
         shapes = fp8_linear_shapes(c.s, kind, c.p.fp8_linear_roles & roles)
         return max(map(fp8_linear_copy_elements, shapes), default=0) * FP8_128X128_BYTES

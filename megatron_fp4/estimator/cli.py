@@ -32,7 +32,8 @@ Memory per GPU, on the pipeline rank with the largest peak:
              recompute_modules recomputes)
   transient  one layer's backward working set (its MLP or attention backward: what that recompute
              restores + two of its largest tensors, or unfused attention's score-sized buffers and
-             gradients, + the W^T our FP8 layers make for their largest data-gradient GEMM; less
+             gradients, + the W^T our FP8 layers make for their largest data-gradient GEMM unless
+             --moe-fp4-keep-transposed-weights keeps it in weights; less
              what the backward has freed by then), the logits during the loss, persistent
              attention buffers
   peak       the sum, in GiB (2^30 bytes): comparable with Megatron's "max allocated", not with

@@ -66,6 +66,8 @@ class Precision:
     # (Transformer Engine keeps both); with --moe-fp4-weights-per-use they quantize W and W^T per
     # use instead, one linear at a time.
     weights_per_use: bool = False
+    # --moe-fp4-keep-transposed-weights: W^T kept for the step beside W (no transient W^T in backward)
+    keep_transposed_weights: bool = False
     # The dispatch carries FP8 1x128 tokens that the experts keep as their input (FP8-Flow-MoE's
     # dataflow; no flag of Megatron 0.19 or ours: only estimate(..., precision={"fp8_dispatch": True})).
     fp8_dispatch: bool = False
@@ -94,12 +96,13 @@ def _switches(args, recipe: bool) -> dict:
     if recipe:  # the payload cached where there is a `moe` recompute to replay it (as --moe-fp4-cache asks)
         moe_recompute = args.recompute_granularity == "selective" and "moe" in (args.recompute_modules or ())
         return {"experts": "fp8", "linears": "fp8", "bf16_linears": (), "storage": "all", "cache": moe_recompute,
-                "saved_input": False, "weights_per_use": False}
+                "saved_input": False, "weights_per_use": False, "keep_transposed_weights": False}
     return {"experts": getattr(args, "moe_fp4_experts", "bf16"), "linears": getattr(args, "moe_fp4_linears", "bf16"),
             "bf16_linears": getattr(args, "moe_fp4_bf16_linears", None) or (),
             "storage": getattr(args, "moe_fp4_storage", "experts"), "cache": bool(getattr(args, "moe_fp4_cache", False)),
             "saved_input": bool(getattr(args, "moe_fp4_saved_input", False)),
-            "weights_per_use": bool(getattr(args, "moe_fp4_weights_per_use", False))}
+            "weights_per_use": bool(getattr(args, "moe_fp4_weights_per_use", False)),
+            "keep_transposed_weights": bool(getattr(args, "moe_fp4_keep_transposed_weights", False))}
 
 
 def _fp8_linear_roles(flags: dict) -> frozenset:
@@ -147,4 +150,5 @@ def precision_of(args, mode: str = "recipe") -> Precision:
         fp8_linear_roles=fp8_linear_roles,
         fp4_storage_all=ours_linears and flags["storage"] == "all",
         weights_per_use=(ours_experts or ours_linears) and flags["weights_per_use"],
+        keep_transposed_weights=(ours_experts or ours_linears) and flags["keep_transposed_weights"],
     )

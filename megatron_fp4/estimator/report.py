@@ -12,8 +12,8 @@ FP4_MEMORY_ROWS = ("'recipe' = the paper's whole FP4 recipe (FP8 experts and FP8
                    "FP8 copy of their weights for the step, dispatch cached for `moe` recompute); 'installed' = "
                    "what the config's flags switch on in this package (MXFP4 on the wire; --moe-fp4-experts fp8: "
                    "expert activations in MXFP4; --moe-fp4-linears fp8: FP8-saved linear inputs, MXFP4 with "
-                   "--moe-fp4-storage all; their FP8 weight copy unless --moe-fp4-weights-per-use; the dispatch "
-                   "cache only with --moe-fp4-cache).")
+                   "--moe-fp4-storage all; their FP8 weight copy unless --moe-fp4-weights-per-use, W^T beside it "
+                   "with --moe-fp4-keep-transposed-weights; the dispatch cache only with --moe-fp4-cache).")
 COLUMNS = ("config", "prec", "fp4 memory", "recompute", "weights", "grads", "optim", "activ", "transient",
            "peak GiB", "device", "GPU GiB", "% GPU", "fits", "a2a GB/step")
 

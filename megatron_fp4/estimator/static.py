@@ -7,7 +7,8 @@
   experts (`moe_fp4_experts: fp8`) and FP8 linears (`moe_fp4_linears: fp8`) keep one copy of their
   weights (W, 128x128 blocks, padded to multiples of 128), quantized at a step's first forward and
   held to the next step's, in a run without Transformer Engine too, unless
-  `moe_fp4_weights_per_use`; the data gradient's W^T is transient either way (activations.py). Only
+  `moe_fp4_weights_per_use`; the data gradient's W^T is transient (activations.py) unless
+  `moe_fp4_keep_transposed_weights` keeps it beside W (padded alike: the same bytes). Only
   the FP8 roles' linears count (ParamCount.fp8_linear): a role `moe_fp4_bf16_linears` names keeps
   Megatron's layers, with Transformer Engine's copies under FP8 as without our linears.
 - Gradients: Megatron's DDP accumulates and reduces main gradients in `main_grads_dtype` (fp32 for
@@ -67,10 +68,11 @@ def static_memory(args, counts: ParamCount, p: Precision, dp: int, edp: int, wor
         if args.fp8_param_gather:
             weights -= gemm * p.model_bytes  # the FP8 copies are the parameters
         weights += 2 * gemm * p.fp8_weight_bytes
-    if not p.weights_per_use:  # W of our experts and linears (megatron_fp4/fp8/weight_cache.py)
+    if not p.weights_per_use:  # W of our experts and linears (megatron_fp4/fp8/weight_cache.py), and W^T
+        copies = 2 if p.keep_transposed_weights else 1
         if p.fp8_experts:
-            weights += counts.expert_gemm * FP8_128X128_BYTES
-        weights += counts.fp8_linear_padded * FP8_128X128_BYTES  # the FP8 roles' (none: 0)
+            weights += copies * counts.expert_gemm * FP8_128X128_BYTES
+        weights += copies * counts.fp8_linear_padded * FP8_128X128_BYTES  # the FP8 roles' (none: 0)
     grads = counts.total * dtype_bytes(args.main_grads_dtype)
     per = optimizer_bytes_per_param(args)
     if args.use_distributed_optimizer:

@@ -14,7 +14,7 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from .checkpoint_format import check_optimizer_checkpoint_format
-from ..fp8 import FP8WeightCache, TokenSegments
+from ..fp8 import TokenSegments, step_cache
 from ..options import ExpertsPrecision, FP4Options, ModelSettings, Route, Storage, validate
 from ..recompute_scope import recomputed_by
 from ..telemetry import Telemetry
@@ -35,7 +35,7 @@ class FP8Experts(SequentialMLP):
         self.accumulate_in_main_grad = bool(config.gradient_accumulation_fusion)
         # The MXFP4 rule for the activations these experts save (the payload brings its own).
         self.scale_rule = options.scale_rule
-        self.weight_cache = None if options.weights_per_use else FP8WeightCache()
+        self.weight_cache = step_cache(options)
         # Under `moe` recompute the experts run inside Megatron's checkpoint: no inexact FP4 there;
         # --moe-fp4-storage none asks for none anywhere.
         self.fp4_activations = options.storage is not Storage.NONE and not recomputed_by(frozenset({"moe"}), config)

@@ -4,6 +4,7 @@ step. A dense linear layer is one segment holding every token."""
 
 from .gemm import segment_products, segment_wgrad
 from .segments import TokenSegments
-from .weight_cache import FP8WeightCache, fp8_weights
+from .weight_cache import FP8WeightCache, fp8_weights, step_cache
 
-__all__ = ["FP8WeightCache", "TokenSegments", "fp8_weights", "segment_products", "segment_wgrad"]
+__all__ = ["FP8WeightCache", "TokenSegments", "fp8_weights", "segment_products", "segment_wgrad",
+           "step_cache"]

@@ -11,15 +11,19 @@ which the experts run before asking for their weights: so the first forward afte
 re-quantizes, from the new values. Writes that bypass both (a plain `param.data.copy_()` outside an
 optimizer step) are not seen: call `invalidate()` after them.
 
-Only W (the forward's operand) is kept. The experts' data gradient takes W^T from it when backward
-asks: each 128x128 block of W^T is a block of W transposed with the same scale, so moving the FP8
-bytes (kernels/fp8_transpose_weight.py) gives the bits quantizing W^T would, reading one byte per
-element instead of two; it lives only for that GEMM. (torch's own transposing copy of one-byte
-elements ran at 7.8% of copy bandwidth on an H200: bench_quantizers' rows.) The FP8 linears quantize
-W^T from their weights (their cached W is padded). Memory: one FP8 byte per weight element (plus an
-fp32 scale per 128x128 block), held from the first forward of a step to the first forward of the
-next, and during backward one linear layer's W^T at a time (the experts': all local experts' fc2,
-then fc1).
+By default only W (the forward's operand) is kept. The experts' data gradient takes W^T from it
+when backward asks: each 128x128 block of W^T is a block of W transposed with the same scale, so
+moving the FP8 bytes (kernels/fp8_transpose_weight.py) gives the bits quantizing W^T would, reading
+one byte per element instead of two; it lives only for that GEMM. (torch's own transposing copy of
+one-byte elements ran at 7.8% of copy bandwidth on an H200: bench_quantizers' rows.) The FP8 linears
+quantize W^T from their weights (their cached W is padded). Memory: one FP8 byte per weight element
+(plus an fp32 scale per 128x128 block), held from the first forward of a step to the first forward
+of the next, and during backward one linear layer's W^T at a time (the experts': all local experts'
+fc2, then fc1).
+
+A cache made with keep_transposed (--moe-fp4-keep-transposed-weights) keeps W^T too, made at the
+step's first backward and reused by every later micro-batch's, under the same stamp as W: one more
+FP8 byte per weight element for the step, as Transformer Engine's FP8 weights keep both.
 """
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -58,24 +62,43 @@ def _stamp(weights: Sequence[torch.Tensor]) -> Tuple:
     return (_optimizer_steps,) + tuple((w.data_ptr(), w._version) for w in weights)
 
 
+Quantizer = Callable[[Sequence[torch.Tensor], bool], FP8StackedWeights]  # (weights, transpose) -> copy
+
+
 class FP8WeightCache:
-    """One module's quantized weights W, by linear layer name."""
+    """One module's quantized weights W (and with keep_transposed W^T), by linear layer name."""
 
-    def __init__(self):
+    def __init__(self, keep_transposed: bool = False):
         count_optimizer_steps()  # a copy must not outlive the step that changed its weights
-        self._entries: Dict[str, Tuple[Tuple, FP8StackedWeights]] = {}
+        self.keep_transposed = keep_transposed
+        self._entries: Dict[Tuple[str, bool], Tuple[Tuple, FP8StackedWeights]] = {}
 
-    def get(self, name: str, weights: Sequence[torch.Tensor],
-            quantize: Optional[Callable[[Sequence[torch.Tensor], bool], FP8StackedWeights]] = None
+    def get(self, name: str, weights: Sequence[torch.Tensor], quantize: Optional[Quantizer] = None
             ) -> FP8StackedWeights:
         """W: the 128x128-block FP8 copy of `weights` (stacked) made by `quantize` (default:
         K.quantize_fp8_weights_stacked), quantized now if the weights changed since the last copy."""
         quantize = quantize or K.quantize_fp8_weights_stacked
+        return self._kept((name, False), weights, lambda: quantize(weights, False))
+
+    def get_transposed(self, name: str, weights: Sequence[torch.Tensor], quantize: Optional[Quantizer] = None
+                       ) -> FP8StackedWeights:
+        """W^T: from the cached W by transposing its blocks (the default quantizer's weights), else by
+        `quantize`; kept under keep_transposed, else made for the caller alone."""
+        if quantize is None:
+            def make():
+                return K.transpose_fp8_weights(self.get(name, weights))
+        else:
+            def make():
+                return quantize(weights, True)
+        return self._kept((name, True), weights, make) if self.keep_transposed else make()
+
+    def _kept(self, key: Tuple[str, bool], weights: Sequence[torch.Tensor],
+              make: Callable[[], FP8StackedWeights]) -> FP8StackedWeights:
         stamp = _stamp(weights)
-        entry = self._entries.get(name)
+        entry = self._entries.get(key)
         if entry is None or entry[0] != stamp:
-            entry = (stamp, quantize(weights, False))
-            self._entries[name] = entry
+            entry = (stamp, make())
+            self._entries[key] = entry
         return entry[1]
 
     def invalidate(self) -> None:
@@ -85,16 +108,18 @@ class FP8WeightCache:
         return sum(q.data.numel() + q.block_scales.numel() * 4 for _, q in self._entries.values())
 
 
+def step_cache(options) -> Optional[FP8WeightCache]:
+    """The cache of an FP8 module built with these FP4Options: none under --moe-fp4-weights-per-use,
+    else W, and W^T too under --moe-fp4-keep-transposed-weights."""
+    return None if options.weights_per_use else FP8WeightCache(options.keep_transposed_weights)
+
+
 def fp8_weights(cache: Optional[FP8WeightCache], name: str, weights: Sequence[torch.Tensor], transpose: bool,
-                quantize: Optional[Callable[[Sequence[torch.Tensor], bool], FP8StackedWeights]] = None
-                ) -> FP8StackedWeights:
-    """The FP8 copy a GEMM reads: W from the cache when there is one; W^T from the cached W by
-    transposing its blocks (the default, stacked quantizer's weights), else quantized now, as is W
-    without a cache; W^T is held only for its one GEMM. `quantize` as in FP8WeightCache.get."""
+                quantize: Optional[Quantizer] = None) -> FP8StackedWeights:
+    """The FP8 copy a GEMM reads: W, or W^T, from the cache when there is one (FP8WeightCache.get,
+    get_transposed), else quantized now by `quantize` (default: K.quantize_fp8_weights_stacked)."""
     if cache is None:
         return (quantize or K.quantize_fp8_weights_stacked)(weights, transpose)
-    if not transpose:
-        return cache.get(name, weights, quantize)
-    if quantize is None:
-        return K.transpose_fp8_weights(cache.get(name, weights))
-    return quantize(weights, True)
+    if transpose:
+        return cache.get_transposed(name, weights, quantize)
+    return cache.get(name, weights, quantize)

@@ -17,7 +17,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from ..formats import FP8_BLOCK
-from ..fp8 import FP8WeightCache
+from ..fp8 import FP8WeightCache, step_cache
 from ..options import (RECOMPUTED_BY, FP4Options, GradFormat, LinearRole, ModelSettings, Route, Storage,
                        UnsupportedConfiguration,
                        validate)
@@ -70,7 +70,7 @@ class _FP8Settings:
                              "its role in --moe-fp4-bf16-linears")
         validate(options, ModelSettings.from_config(config), None, Route.PLUGIN)
         return cls(saved_input(options, role, config, reads_layernorm_output), options.scale_rule.value,
-                   bool(config.gradient_accumulation_fusion), None if options.weights_per_use else FP8WeightCache(),
+                   bool(config.gradient_accumulation_fusion), step_cache(options),
                    options.linears_grad)
 
 

@@ -69,6 +69,7 @@ class FP4Options:
     experts: ExpertsPrecision = ExpertsPrecision.BF16
     telemetry: bool = False
     weights_per_use: bool = False
+    keep_transposed_weights: bool = False  # W^T kept for the step beside W
     linears: LinearsPrecision = LinearsPrecision.BF16
     storage: Storage = Storage.EXPERTS
     bf16_linears: FrozenSet[LinearRole] = frozenset()  # roles --moe-fp4-linears fp8 leaves to Megatron

@@ -67,6 +67,14 @@ REFUSALS = (
             lambda o, m, e, r: o.weights_per_use and not (_fp8_experts(o) or _fp8_linears(o)),
             "--moe-fp4-weights-per-use needs --moe-fp4-experts fp8 or --moe-fp4-linears fp8: it is about their FP8 "
             "weight copies."),
+    Refusal("--moe-fp4-keep-transposed-weights without FP8 experts or linears",
+            lambda o, m, e, r: o.keep_transposed_weights and not (_fp8_experts(o) or _fp8_linears(o)),
+            "--moe-fp4-keep-transposed-weights needs --moe-fp4-experts fp8 or --moe-fp4-linears fp8: it is about "
+            "their FP8 weight copies."),
+    Refusal("--moe-fp4-keep-transposed-weights with --moe-fp4-weights-per-use",
+            lambda o, m, e, r: o.keep_transposed_weights and o.weights_per_use,
+            "--moe-fp4-weights-per-use keeps no FP8 weight copy, --moe-fp4-keep-transposed-weights keeps two: drop one "
+            "of the two flags."),
     Refusal("--moe-fp4-telemetry without --moe-fp4-dispatch",
             lambda o, m, e, r: o.telemetry and not o.dispatch,
             "--moe-fp4-telemetry needs --moe-fp4-dispatch: it reports the FP4 dispatch's traffic, error and storage."),

@@ -79,8 +79,8 @@ def test_grouped_mm_experts_refuse_what_they_do_not_compute(one_rank):
 
 
 CASES = (bench.STOCK, bench.GROUPED_MM, bench.FP8_BASELINE, bench.FP4_BF16, bench.FP4_FP8,
-         bench.FP8_BASELINE_PER_EXPERT, bench.FP4_FP8_PER_EXPERT, bench.FP4_FP8_WEIGHTS_PER_USE, bench.FP4_FP8_TRITON,
-         bench.FP8_BASELINE_LEAN_PERMUTE)
+         bench.FP8_BASELINE_PER_EXPERT, bench.FP4_FP8_PER_EXPERT, bench.FP4_FP8_WEIGHTS_PER_USE,
+         bench.FP4_FP8_KEEP_TRANSPOSED, bench.FP4_FP8_TRITON, bench.FP8_BASELINE_LEAN_PERMUTE)
 EVERY_CASE = {"layer forward+backward", "host time (wall - GPU busy)", "saved for backward",
               "experts GEMM rate over the layer time"}
 

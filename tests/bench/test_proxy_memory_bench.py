@@ -184,11 +184,17 @@ def test_throughput_rows(measured, tmp_path, monkeypatch):
     proxy_rows.throughput_rows(recorder, measured, warmup=10)
     assert all(rows.row_problems(r) == [] for r in recorder.rows)
     same_scope = [r for r in recorder.rows if not r["case"].startswith("best")]
-    assert [(r["precision"], r["scope"]) for r in same_scope] == [
-        ("fp8", "attn_ln_moe"), ("fp4", "attn_ln_moe"), ("fp4", "attn"), ("fp8", "attn")]  # no BF16 at attn_ln_mlp
-    fp4_light = same_scope[2]
+    # Against BF16 at the same scope (none at attn_ln_mlp, where BF16 ran out of memory), and FP4 also
+    # against FP8 there (FP8 ran out of memory at attn_ln_mlp; at attn it ran uncapped).
+    assert [(r["precision"], r["scope"], r["reference"].split(":")[0]) for r in same_scope] == [
+        ("fp8", "attn_ln_moe", "BF16"), ("fp4", "attn_ln_moe", "BF16"), ("fp4", "attn_ln_moe", "FP8"),
+        ("fp4", "attn", "BF16"), ("fp4", "attn", "FP8"), ("fp8", "attn", "BF16")]
+    fp4_light = same_scope[3]
     assert fp4_light["reference"] == "BF16: proxy/memcap1_bf16_attn.yaml, uncapped"
     assert fp4_light["ratio"] == pytest.approx(64000 / 58000)
+    fp4_against_fp8 = same_scope[2]
+    assert fp4_against_fp8["reference"] == "FP8: proxy/memcap1_fp8_attn_ln_moe.yaml, under the 15 GiB cap"
+    assert fp4_against_fp8["ratio"] == pytest.approx(54000 / 55000)
     best = [r for r in recorder.rows if r["case"].startswith("best")]
     assert [(r["precision"], r["config"]) for r in best] == [
         ("bf16", "configs/proxy/memcap1_bf16_attn_ln_moe.yaml"), ("fp8", "configs/proxy/memcap1_fp8_attn_ln_moe.yaml"),
@@ -198,7 +204,7 @@ def test_throughput_rows(measured, tmp_path, monkeypatch):
                for r in best)
     recorder.write(tmp_path)
     written = [json.loads(line) for line in (tmp_path / "proxy_throughput.jsonl").read_text().splitlines()]
-    assert len(written) == 7 and {r["bench"] for r in written} == {"proxy_throughput"}
+    assert len(written) == 9 and {r["bench"] for r in written} == {"proxy_throughput"}
 
 
 def test_summary_table(measured):

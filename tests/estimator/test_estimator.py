@@ -251,6 +251,11 @@ def test_fp8_experts_weight_copies_in_a_bf16_run():
     # memcap_base.yaml: 16 experts over EP 2, fc1 2 x 2048 x 1024 and fc2 2048 x 1024 per expert.
     per_moe_layer = 8 * 3 * 2048 * 1024 * FP8_128X128_BYTES
     assert added == pytest.approx(6 * per_moe_layer, rel=1e-12)  # 5 MoE layers + the MoE MTP layer
+    # --moe-fp4-keep-transposed-weights: W^T held beside W for the step, the same bytes again (none made
+    # in backward: test_fp8_linears_storage.py).
+    kept = estimate(PROXY / "memcap_fp4_fp8_attn.yaml", "installed", {"moe_fp4_keep_transposed_weights": True})
+    assert kept.precision.keep_transposed_weights and not cached.precision.keep_transposed_weights
+    assert kept.peak_rank.static.weights - cached.peak_rank.static.weights == pytest.approx(added, rel=1e-12)
 
 def test_671b_configs_need_the_optimizer_offloaded(dsv3):
     """The configs offload the optimizer as the public 256-H100 recipe does; without it the expert

@@ -397,3 +397,15 @@ def test_backward_holds_the_largest_fp8_weight_transposed(per_use, monkeypatch):
     monkeypatch.setattr(activations, "transposed_weight", lambda c, kind: (0.0, 0.0))
     for kind in (DENSE, MOE):
         assert with_it[kind] - backward_working_set(ctx({}), kind) == pytest.approx(qkv, rel=1e-12)
+
+
+def test_backward_makes_no_weight_transposed_when_the_step_keeps_them():
+    """--moe-fp4-keep-transposed-weights: W^T is held for the step with W (static weights), so no
+    backward phase makes one."""
+    from megatron_fp4.estimator import activations
+
+    e = estimate(MEMCAP, "installed", {**FP4_ALL, "moe_fp4_keep_transposed_weights": True})
+    ctx = Ctx(s=e.shape, par=e.parallel, p=e.precision, rc=e.recompute, tokens=T, rope=True, softmax_fp32=False,
+              ce_bytes=4, bias=False)
+    assert e.precision.keep_transposed_weights
+    assert activations.transposed_weight(ctx, DENSE) == activations.transposed_weight(ctx, MOE) == (0.0, 0.0)

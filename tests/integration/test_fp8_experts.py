@@ -336,17 +336,18 @@ def test_grouped_gemms_name_their_backend(model_parallel, device, monkeypatch, g
 
 def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, monkeypatch):
     """Two forwards and backwards with the same weights quantize W of fc1 and fc2 once and take W^T
-    from it in each backward by transposing its blocks; with --moe-fp4-weights-per-use W and W^T are
-    quantized at every use. Both give the same bits."""
+    from it in each backward by transposing its blocks (only in the first backward with
+    --moe-fp4-keep-transposed-weights); with --moe-fp4-weights-per-use W and W^T are quantized at every
+    use. All give the same bits."""
     from megatron_fp4 import kernels as K
 
     payload, probs, grad = _inputs(device)
     real, real_transpose = K.quantize_fp8_weights_stacked, K.transpose_fp8_weights
 
-    def two_steps(per_use: bool):
+    def two_steps(per_use: bool, keep_transposed: bool = False):
         """(transpose flag of each quantization, outputs and gradients of two forwards and backwards)."""
         torch.manual_seed(3)
-        options = FP4Options(experts="fp8", weights_per_use=per_use)
+        options = FP4Options(experts="fp8", weights_per_use=per_use, keep_transposed_weights=keep_transposed)
         experts = FP8Experts(EXPERTS, _config(), _experts_builder("fp8").keywords["submodules"],
                              pg_collection=model_parallel, options=options).to(device)
         assert (experts.weight_cache is None) == per_use
@@ -357,10 +358,13 @@ def test_weights_quantized_once_per_step_unless_per_use(model_parallel, device, 
         return calls, results + [[p.grad for p in experts.parameters()]]
 
     (cached_calls, cached), (per_use_calls, per_use) = two_steps(False), two_steps(True)
+    kept_calls, kept = two_steps(False, keep_transposed=True)
     assert cached_calls == [False, False] + ["T", "T"] * 2  # fc1, fc2 forward once; fc2, fc1 backward
+    assert kept_calls == [False, False, "T", "T"]  # W^T of fc2, fc1 in the first backward only
     assert per_use_calls == [False, False, True, True] * 2  # fc1, fc2 forward; fc2, fc1 backward
-    for ours, theirs in zip(cached, per_use):
-        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    for other in (per_use, kept):
+        for ours, theirs in zip(cached, other):
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 def test_checkpoint_keys_and_shapes_are_sequential_mlps(model_parallel, device):

@@ -177,6 +177,7 @@ def test_fp8_experts_flag_parses_and_works_with_and_without_fp4_dispatch():
     ({"overlap_moe_expert_parallel_comm": True, "moe_fp4_dispatch": False}, "--overlap-moe-expert-parallel-comm"),
     ({"moe_token_dispatcher_type": "flex", "moe_fp4_dispatch": False}, "does not take Megatron's own flex dispatcher"),
     ({"moe_fp4_storage": "none", "moe_fp4_dispatch": False}, "--moe-fp4-storage none .* needs --moe-fp4-dispatch"),
+    ({"moe_fp4_keep_transposed_weights": True, "moe_fp4_weights_per_use": True}, "keeps two: drop one"),
 ])
 def test_fp8_experts_refusals(overrides, message):
     with pytest.raises(UnsupportedConfiguration, match=message):
@@ -364,6 +365,12 @@ def test_planning_for_another_machine_skips_this_machines_checks():
     with pytest.raises(UnsupportedConfiguration, match="alltoall"):
         validate(FP4Options(dispatch=True), ModelSettings.from_args(_config(moe_token_dispatcher_type="allgather")),
                  None, Route.LAUNCHER)
+
+
+def test_kept_transposed_weights_need_fp8_weight_copies():
+    with pytest.raises(UnsupportedConfiguration, match="--moe-fp4-keep-transposed-weights needs --moe-fp4-experts fp8"):
+        _check(_config(moe_fp4_keep_transposed_weights=True))
+    _check(_fp8_experts(moe_fp4_keep_transposed_weights=True))
 
 
 def test_every_refusal_is_one_sentence_naming_a_flag():

@@ -1,6 +1,7 @@
 """The FP8 weight cache (megatron_fp4/fp8/weight_cache.py) on its own: reused while the weights
-stay the same, re-quantized after any optimizer step, an in-place write or new storage. It holds W only: the
-layers quantize W^T in each backward (tests/integration/test_fp8_linears.py, test_fp8_experts.py)."""
+stay the same, re-quantized after any optimizer step, an in-place write or new storage. By default it holds W
+only: the layers make W^T in each backward (tests/integration/test_fp8_linears.py, test_fp8_experts.py); with
+keep_transposed (--moe-fp4-keep-transposed-weights) W^T too, under the same rules."""
 
 import torch
 
@@ -54,7 +55,7 @@ def test_a_gemm_reads_w_from_the_cache_and_w_transposed_quantized_for_it(device)
     assert fp8_weights(cache, "fc1", weights, transpose=False) is held
     transposed = fp8_weights(cache, "fc1", weights, transpose=True)
     assert _same(transposed, K.quantize_fp8_weights_stacked(weights, True))
-    assert transposed.data.shape[1:] == (256, 128) and list(cache._entries) == ["fc1"]  # W^T is not kept
+    assert transposed.data.shape[1:] == (256, 128) and list(cache._entries) == [("fc1", False)]  # W^T is not kept
     assert fp8_weights(cache, "fc1", weights, transpose=False) is held
     # Without a cache every copy is made for its GEMM, through the caller's quantizer when given.
     made = []
@@ -63,6 +64,40 @@ def test_a_gemm_reads_w_from_the_cache_and_w_transposed_quantized_for_it(device)
         return K.quantize_fp8_weights_stacked(ws, transpose)
 
     assert _same(fp8_weights(None, "fc1", weights, False, quantize), held) and made == [False]
+
+
+def test_a_cache_keeping_transposes_reuses_w_transposed_until_the_weights_change(device):
+    """keep_transposed: W^T made once from the cached W (its blocks transposed: the bits of quantizing
+    W^T), the same object for every later GEMM of the step, held beside W, and made again, from the
+    new W, after an optimizer step or an in-place write; a caller's quantizer (the FP8 linears'
+    padded one) makes it the same way."""
+    cache, weights = FP8WeightCache(keep_transposed=True), _weights(device)
+    transposed = fp8_weights(cache, "fc1", weights, transpose=True)
+    assert _same(transposed, K.quantize_fp8_weights_stacked(weights, True))
+    assert fp8_weights(cache, "fc1", weights, transpose=True) is transposed
+    held = fp8_weights(cache, "fc1", weights, transpose=False)
+    assert sorted(cache._entries) == [("fc1", False), ("fc1", True)]
+    # W [2, 128, 256] with scales [2, 1, 4]; W^T [2, 256, 128] with scales [2, 2, 4] (padded to 4 columns).
+    assert cache.held_bytes() == 2 * (2 * 128 * 256) + 2 * 1 * 4 * 4 + 2 * 2 * 4 * 4
+
+    with torch.no_grad():
+        weights[1].mul_(-3)
+    after_write = fp8_weights(cache, "fc1", weights, transpose=True)
+    assert after_write is not transposed and _same(after_write, K.quantize_fp8_weights_stacked(weights, True))
+    assert fp8_weights(cache, "fc1", weights, transpose=False) is not held  # W was made again for it
+    other = torch.nn.Parameter(torch.zeros(1, device=device))
+    other.grad = torch.ones(1, device=device)
+    torch.optim.SGD([other], lr=0.1).step()
+    assert fp8_weights(cache, "fc1", weights, transpose=True) is not after_write
+
+    made = []
+    def quantize(ws, transpose):
+        made.append(transpose)
+        return K.quantize_fp8_weights_stacked(ws, transpose)
+
+    for _ in range(2):
+        by_caller = fp8_weights(cache, "fc2", weights, True, quantize)
+    assert made == [True] and _same(by_caller, K.quantize_fp8_weights_stacked(weights, True))
 
 
 _HOOK_SCRIPT = """
