@@ -2,8 +2,9 @@
 result rows (`memory_rows`: bench proxy_memory, `throughput_rows`: bench proxy_throughput), and the
 summary table."""
 
-from dataclasses import dataclass
-from typing import List, Optional
+import statistics
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
 
 from benchmarks import proxy_log
 from benchmarks.proxy_runs import PRECISIONS, Run, RunResult
@@ -31,6 +32,7 @@ class Measured:
     oom: Optional[proxy_log.OutOfMemory] = None
     estimate: Optional[Estimate] = None
     error: str = ""
+    tokens_per_s_rounds: Tuple[float, ...] = ()  # with --rounds: each round's tokens/s (the median is tokens_per_s)
 
     @property
     def trained(self) -> bool:
@@ -57,9 +59,31 @@ def measure(result: RunResult, cap_gib: Optional[float], seq_length: int, warmup
     return m
 
 
+def merge_rounds(rounds: List[Measured]) -> Measured:
+    """One run's rounds as one Measured: the first round that did not train, if any; else the median
+    tokens/s (each round's kept in tokens_per_s_rounds), the largest peaks and the summed seconds."""
+    if len(rounds) == 1:
+        return rounds[0]
+    failed = [m for m in rounds if not m.trained]
+    if failed:
+        return failed[0]
+    tokens = tuple(m.tokens_per_s for m in rounds if m.tokens_per_s)
+
+    def largest(values):
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
+    return replace(rounds[0], seconds=sum(m.seconds for m in rounds),
+                   max_allocated_mib=largest(m.max_allocated_mib for m in rounds),
+                   max_reserved_mib=largest(m.max_reserved_mib for m in rounds),
+                   tokens_per_s=statistics.median(tokens) if tokens else None, tokens_per_s_rounds=tokens)
+
+
 def _extras(m: Measured) -> dict:
     extras = {"config": f"configs/proxy/{m.run.config}.yaml", "precision": m.run.precision, "scope": m.run.scope,
               "capped": m.run.capped, "cap_gib": m.cap_gib, "outcome": m.outcome, "seconds": round(m.seconds, 1)}
+    if m.tokens_per_s_rounds:
+        extras["tokens_per_s_rounds"] = [round(t, 1) for t in m.tokens_per_s_rounds]
     if m.estimate:
         extras.update(estimate_mib=round(m.estimate.peak_mib, 1), estimate_fits=m.estimate.fits)
     return extras
@@ -130,19 +154,25 @@ def _cell(value, fmt: str) -> str:
 
 
 def summary(measured: List[Measured]) -> str:
-    """One line per run: outcome, peak against estimate and cap, tokens/s against BF16 at the scope."""
+    """One line per run: outcome, peak against estimate and cap, tokens/s (with --rounds the median,
+    and each round's) against BF16 and, for FP4, FP8 at the scope."""
     header = ("config", "cap GiB", "outcome", "max alloc MiB", "estimate MiB", "meas/est", "max resv MiB",
-              "tokens/s", "vs BF16")
+              "tokens/s", "vs BF16", "vs FP8", "each round")
     rows = [header]
+
+    def versus(m: Measured, precision: str) -> Optional[float]:
+        other = _same_scope(measured, precision, m.run.scope, m.run.capped)
+        return m.tokens_per_s / other.tokens_per_s if m.tokens_per_s and other and other.tokens_per_s else None
+
     for m in measured:
         ratio = (m.max_allocated_mib / m.estimate.peak_mib) if (m.max_allocated_mib and m.estimate) else None
-        bf16 = _same_scope(measured, "bf16", m.run.scope, m.run.capped)
-        versus = (m.tokens_per_s / bf16.tokens_per_s) if (m.tokens_per_s and bf16 and bf16.tokens_per_s) else None
         outcome = m.outcome + (f" ({m.oom.demand_mib:.0f} MiB wanted)" if m.oom and m.oom.demand_mib else "")
         rows.append((m.run.config, f"{m.cap_gib:g}" if m.run.capped and m.cap_gib else "none", outcome,
                      _cell(m.max_allocated_mib, ".0f"), _cell(m.estimate.peak_mib if m.estimate else None, ".0f"),
                      _cell(ratio, ".3f"), _cell(m.max_reserved_mib, ".0f"), _cell(m.tokens_per_s, ".0f"),
-                     _cell(versus, ".3f")))
+                     _cell(versus(m, "bf16"), ".3f"), _cell(versus(m, "fp8") if m.run.precision == "fp4" else None,
+                                                            ".3f"),
+                     " / ".join(f"{t:.0f}" for t in m.tokens_per_s_rounds) or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
              for r in rows]
@@ -154,4 +184,5 @@ def summary(measured: List[Measured]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Estimate", "Measured", "best_fitting", "measure", "memory_rows", "summary", "throughput_rows"]
+__all__ = ["Estimate", "Measured", "best_fitting", "measure", "memory_rows", "merge_rounds", "summary",
+           "throughput_rows"]

@@ -150,5 +150,6 @@ def precision_of(args, mode: str = "recipe") -> Precision:
         fp8_linear_roles=fp8_linear_roles,
         fp4_storage_all=ours_linears and flags["storage"] == "all",
         weights_per_use=(ours_experts or ours_linears) and flags["weights_per_use"],
-        keep_transposed_weights=(ours_experts or ours_linears) and flags["keep_transposed_weights"],
+        keep_transposed_weights=(ours_experts or ours_linears) and flags["keep_transposed_weights"]
+        and not flags["weights_per_use"],
     )

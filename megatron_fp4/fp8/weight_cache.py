@@ -97,6 +97,7 @@ class FP8WeightCache:
         stamp = _stamp(weights)
         entry = self._entries.get(key)
         if entry is None or entry[0] != stamp:
+            self._entries.pop(key, None)  # the stale copy is freed before the new one is made
             entry = (stamp, make())
             self._entries[key] = entry
         return entry[1]

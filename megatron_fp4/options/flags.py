@@ -100,11 +100,12 @@ FLAGS = (
          "saves every later micro-batch the quantization of W (backward quantizes W^T for the data gradient, "
          "one layer at a time); this flag gives that memory back."),
     Flag("keep_transposed_weights", "With --moe-fp4-experts fp8 or --moe-fp4-linears fp8: also keep each FP8 "
-         "layer's W^T (the data gradient's operand, 128x128 blocks) for the step, made in the step's first backward "
-         "and reused by every later micro-batch's, instead of made for each data-gradient GEMM and freed after it. "
-         "Costs one more FP8 byte per weight element for the step (Transformer Engine's FP8 weights keep both too); "
-         "saves each later micro-batch the W^T copies (for the routed experts a read and a write of their FP8 "
-         "weights). Not with --moe-fp4-weights-per-use."),
+         "layer's W^T (the data gradient's operand, 128x128 blocks) beside W, made in a step's first backward and "
+         "reused by every later micro-batch's, instead of made for each data-gradient GEMM and freed after it. "
+         "Costs one more FP8 byte per weight element for the whole run, as W does (Transformer Engine's FP8 "
+         "weights keep both too); saves each micro-batch after a step's first the W^T copies (for the routed "
+         "experts a read and a write of their FP8 weights), so nothing with one micro-batch per step. Not with "
+         "--moe-fp4-weights-per-use."),
     Flag("fused_attention", "Compute the core attention of Megatron's local layers (--transformer-impl local, "
          "standard and MLA self-attention) with torch's fused scaled-dot-product-attention kernels (flash, "
          "memory-efficient or cuDNN, never the math one) instead of the unfused DotProductAttention: backward keeps "

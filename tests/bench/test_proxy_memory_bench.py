@@ -269,6 +269,46 @@ def test_a_run_that_would_outlast_the_budget_is_not_started_and_the_rows_are_wri
     assert {row["case"].split(",")[0] for row in written} == {"proxy/memcap1_bf16_attn_ln_moe.yaml"}
 
 
+def test_rounds_merge_to_the_median_tokens_and_the_largest_peaks():
+    first, second, third = (_measured("memcap1_fp4_attn", "trained", allocated=a, tokens=t)
+                            for a, t in ((13000.0, 90000.0), (13100.0, 99000.0), (12900.0, 95000.0)))
+    merged = proxy_rows.merge_rounds([first, second, third])
+    assert merged.tokens_per_s == 95000.0 and merged.tokens_per_s_rounds == (90000.0, 99000.0, 95000.0)
+    assert merged.max_allocated_mib == 13100.0 and merged.seconds == 60.0 and merged.trained
+    assert proxy_rows.merge_rounds([first]) is first
+    oom = _measured("memcap1_fp4_attn", "OOM", oom=proxy_log.out_of_memory(OOM_TEXT))
+    assert proxy_rows.merge_rounds([first, oom]) is oom  # a round that did not train says so
+    assert proxy_rows._extras(merged)["tokens_per_s_rounds"] == [90000.0, 99000.0, 95000.0]
+    assert "tokens_per_s_rounds" not in proxy_rows._extras(first)
+
+
+def test_rounds_train_the_runs_in_turns_and_an_out_of_memory_run_once(tmp_path, monkeypatch, capsys):
+    """--rounds 2 with a stand-in trainer that runs out of memory for the attn_ln_mlp configs: the
+    other run trains twice (its second log beside the first), the OOM run once, and the rows carry
+    each round's tokens/s and their median."""
+    trained, oom = tmp_path / "trained.log", tmp_path / "oom.log"
+    trained.write_text(trained_log())
+    oom.write_text(OOM_TEXT)
+    monkeypatch.setenv("TORCHRUN", _stand_in_torchrun(
+        "import os, sys; oom = 'attn_ln_mlp' in os.environ['RUN_DIR']; "
+        f"print(open({str(oom)!r} if oom else {str(trained)!r}).read(), end=''); sys.exit(1 if oom else 0)"))
+    monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "results"))
+    runs_dir = tmp_path / "runs"
+    status = bench_proxy_memory.main(["--runs", "memcap1_bf16_attn_ln_moe", "memcap1_bf16_attn_ln_mlp", "--rounds", "2",
+                                      "--runs-dir", str(runs_dir)])
+    out = capsys.readouterr().out
+    assert status == 0, out[-2000:]
+    assert sorted(p.name for p in runs_dir.glob("*.log")) == [
+        "memcap1_bf16_attn_ln_mlp_capped.log", "memcap1_bf16_attn_ln_moe_capped.log",
+        "memcap1_bf16_attn_ln_moe_capped_round2.log"]
+    assert "[round 2, 1/1] memcap1_bf16_attn_ln_moe" in out
+    written = [json.loads(line) for line in (tmp_path / "results" / "proxy_memory.jsonl").read_text().splitlines()]
+    trained_rows = [r for r in written if r["outcome"] == "trained"]
+    assert trained_rows and all(r["tokens_per_s_rounds"] == [61440.0, 61440.0] for r in trained_rows)
+    assert any(r["outcome"] == "OOM" and "tokens_per_s_rounds" not in r for r in written)
+    assert bench_proxy_memory.main(["--runs", "memcap1_fp4_attn", "--rounds", "0"]) == 2
+
+
 def test_the_runners_dry_run_lists_runs_and_estimates(capsys):
     assert bench_proxy_memory.main(["--dry-run", "--runs", "memcap1_fp4_attn", "memcap1_bf16_attn:uncapped"]) == 0
     out = capsys.readouterr().out

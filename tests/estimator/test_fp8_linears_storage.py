@@ -145,6 +145,12 @@ def test_fp8_weight_copies_of_linears_and_experts():
     assert fp8 - bf16 == pytest.approx((linears + experts) * FP8_WEIGHT, rel=1e-12)
     per_use = estimate(MEMCAP, "installed", {**FP8_LINEARS, "moe_fp4_weights_per_use": True})
     assert per_use.peak_rank.static.weights == bf16
+    # --moe-fp4-keep-transposed-weights: W^T of each, the same padded bytes again.
+    kept = estimate(MEMCAP, "installed", {**FP8_LINEARS, "moe_fp4_keep_transposed_weights": True})
+    assert kept.peak_rank.static.weights - bf16 == pytest.approx(2 * (linears + experts) * FP8_WEIGHT, rel=1e-12)
+    both = estimate(MEMCAP, "installed", {**FP8_LINEARS, "moe_fp4_weights_per_use": True,
+                                          "moe_fp4_keep_transposed_weights": True})
+    assert not both.precision.keep_transposed_weights  # the plugin refuses the pair; no copy to keep
 
 
 def test_kv_down_projection_weight_is_padded_to_128():

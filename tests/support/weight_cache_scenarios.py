@@ -2,7 +2,9 @@
 (tests/distributed/test_weight_cache_in_training.py), run by both ranks: the tiny GPTModel of
 checkpoint_scenarios with the whole FP4 recipe, in
 Megatron's DDP with its distributed Adam, two micro-batches per step, with and without
---overlap-param-gather (the new weights then arrive by all-gather in the next forward's pre-hooks)."""
+--overlap-param-gather (the new weights then arrive by all-gather in the next forward's pre-hooks).
+The caches keep W^T too (--moe-fp4-keep-transposed-weights), so that both copies are checked: W
+alone is the same code under the same stamp."""
 
 import torch
 
@@ -31,17 +33,22 @@ def _cached_modules(run: Run) -> list:
 
 
 def _copies_per_step(modules) -> int:
-    """W of each linear layer's weights (W^T is quantized in each backward): one per FP8 linear, two per experts
+    """W of each linear layer's weights, and W^T (kept for the step): one per FP8 linear, two per experts
     module (fc1, fc2)."""
     return sum(len(weights) for _, _, weights, _ in modules)
+
+
+def _linears(modules) -> int:
+    """FP8 linear layers (the experts' W^T is transposed from their W, not quantized)."""
+    return sum("weight" in weights for _, _, weights, _ in modules)
 
 
 def _stale_entries(modules) -> list:
     """(module, weights) of every cached FP8 copy that differs from quantizing the weights now."""
     stale = []
     for module_name, cache, weights, quantize in modules:
-        for name, (_, cached) in cache._entries.items():
-            fresh = quantize(weights[name], False)
+        for (name, transposed), (_, cached) in cache._entries.items():
+            fresh = quantize(weights[name], transposed)
             if not (torch.equal(cached.data.view(torch.uint8), fresh.data.view(torch.uint8))
                     and torch.equal(cached.block_scales, fresh.block_scales)):
                 stale.append((module_name, name))
@@ -67,17 +74,19 @@ def _optimizer_step(run: Run) -> None:
 
 
 def tracks_the_optimizer(overlap_param_gather: bool, directory: str) -> None:
-    """Weights quantized once per step (W of every FP8 linear and of the experts' fc1 and fc2, for two
-    micro-batches' forwards and backwards), never a stale copy; and the staleness check flags the
+    """Weights quantized once per step (W and W^T of every FP8 linear and of the experts' fc1 and fc2,
+    for two micro-batches' forwards and backwards), never a stale copy; and the staleness check flags the
     copies once the optimizer has changed the weights under them, so it can fail."""
     from megatron_fp4 import kernels as K
 
     run = Run(plugin=True, seed=1, overlap_param_gather=overlap_param_gather)
     modules = _cached_modules(run)
+    for _, cache, _, _ in modules:
+        cache.keep_transposed = True
     quantized = []
     real_quantize = K.quantize_fp8_weights_stacked
     def counting_quantize(weights, transpose=False, *args, **kwargs):
-        quantized.append(transpose)  # W^T is quantized in every backward by design; W only once a step
+        quantized.append(transpose)  # W and the linears' W^T once a step
         return real_quantize(weights, transpose, *args, **kwargs)
 
     K.quantize_fp8_weights_stacked = counting_quantize
@@ -85,8 +94,11 @@ def tracks_the_optimizer(overlap_param_gather: bool, directory: str) -> None:
         for step in range(STEPS):
             quantized.clear()
             _forward_backward(run, step)
-            plain = quantized.count(False)
+            plain, transposed = quantized.count(False), quantized.count(True)
             assert plain == _copies_per_step(modules), f"step {step}: W quantized {plain} times"
+            assert transposed == _linears(modules), f"step {step}: the linears' W^T quantized {transposed} times"
+            kept = sum(key[1] for _, cache, _, _ in modules for key in cache._entries)
+            assert kept == _copies_per_step(modules), f"step {step}: {kept} W^T kept"
             assert not _stale_entries(modules), f"step {step}: stale FP8 weights {_stale_entries(modules)}"
             _optimizer_step(run)
     finally:
