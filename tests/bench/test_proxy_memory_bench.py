@@ -283,28 +283,36 @@ def test_rounds_merge_to_the_median_tokens_and_the_largest_peaks():
 
 
 def test_rounds_train_the_runs_in_turns_and_an_out_of_memory_run_once(tmp_path, monkeypatch, capsys):
-    """--rounds 2 with a stand-in trainer that runs out of memory for the attn_ln_mlp configs: the
-    other run trains twice (its second log beside the first), the OOM run once, and the rows carry
-    each round's tokens/s and their median."""
-    trained, oom = tmp_path / "trained.log", tmp_path / "oom.log"
-    trained.write_text(trained_log())
-    oom.write_text(OOM_TEXT)
-    monkeypatch.setenv("TORCHRUN", _stand_in_torchrun(
-        "import os, sys; oom = 'attn_ln_mlp' in os.environ['RUN_DIR']; "
-        f"print(open({str(oom)!r} if oom else {str(trained)!r}).read(), end=''); sys.exit(1 if oom else 0)"))
+    """--rounds 2, runs executed by a stand-in for proxy_runs.execute (the launcher's own path is
+    tested above) that runs out of memory for the attn_ln_mlp config: the other run trains twice, in
+    turns (its second log beside the first), the OOM run once, and the rows carry each round's
+    tokens/s and their median."""
+    executed = []
+
+    def execute(run, log_path, time_limit_s, train_iters=None, progress=print):
+        executed.append(log_path.name)
+        oom = "attn_ln_mlp" in run.config
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        ms = (900.0,) + (400.0 + 100 * len(executed),) * 6  # each launch a different speed
+        log_path.write_text(OOM_TEXT if oom else trained_log(ms=ms))
+        status = 1 if oom else 0
+        return proxy_runs.RunResult(run, proxy_log.outcome(log_path.read_text(), status), 5.0, log_path, status)
+
+    monkeypatch.setattr(bench_proxy_memory, "execute", execute)
     monkeypatch.setenv("MEGATRON_FP4_BENCH_RESULTS", str(tmp_path / "results"))
-    runs_dir = tmp_path / "runs"
     status = bench_proxy_memory.main(["--runs", "memcap1_bf16_attn_ln_moe", "memcap1_bf16_attn_ln_mlp", "--rounds", "2",
-                                      "--runs-dir", str(runs_dir)])
+                                      "--runs-dir", str(tmp_path / "runs")])
     out = capsys.readouterr().out
     assert status == 0, out[-2000:]
-    assert sorted(p.name for p in runs_dir.glob("*.log")) == [
-        "memcap1_bf16_attn_ln_mlp_capped.log", "memcap1_bf16_attn_ln_moe_capped.log",
-        "memcap1_bf16_attn_ln_moe_capped_round2.log"]
+    assert executed == ["memcap1_bf16_attn_ln_moe_capped.log", "memcap1_bf16_attn_ln_mlp_capped.log",
+                        "memcap1_bf16_attn_ln_moe_capped_round2.log"]
     assert "[round 2, 1/1] memcap1_bf16_attn_ln_moe" in out
     written = [json.loads(line) for line in (tmp_path / "results" / "proxy_memory.jsonl").read_text().splitlines()]
     trained_rows = [r for r in written if r["outcome"] == "trained"]
-    assert trained_rows and all(r["tokens_per_s_rounds"] == [61440.0, 61440.0] for r in trained_rows)
+    # 24 x 1024 tokens per iteration at 500 ms (first launch) and 700 ms (third); the median of two is their mean.
+    each = [24 * 1024 / 0.5, 24 * 1024 / 0.7]
+    assert trained_rows and all(r["tokens_per_s_rounds"] == pytest.approx(each, abs=0.1) for r in trained_rows)
+    assert f"{each[0]:.0f} / {each[1]:.0f}" in out and f"{sum(each) / 2:.0f}" in out
     assert any(r["outcome"] == "OOM" and "tokens_per_s_rounds" not in r for r in written)
     assert bench_proxy_memory.main(["--runs", "memcap1_fp4_attn", "--rounds", "0"]) == 2
 
