@@ -23,7 +23,7 @@ fc2, then fc1).
 
 A cache made with keep_transposed (--moe-fp4-keep-transposed-weights) keeps W^T too, made at the
 step's first backward and reused by every later micro-batch's, under the same stamp as W: one more
-FP8 byte per weight element for the step, as Transformer Engine's FP8 weights keep both.
+FP8 byte per weight element, held for the run as W is, as Transformer Engine's FP8 weights keep both.
 """
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
